@@ -1,0 +1,1 @@
+"""Grain next-token data pipelines (being built)."""

@@ -1,0 +1,139 @@
+"""The `metatrain` command line (see README and ../shared/CLI.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff", "vocab_size": "--vocab",
+               "n_layers": "--n-layers"}
+
+
+def _progress(it, desc=""):
+    return tqdm(it, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+
+
+def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch: int, inner_steps: int):
+    p.add_argument("--task", default="maml", help="maml | learned_lr | loss_weighting | package.module:Class")
+    p.add_argument("--model", default=model, help="a preset: tiny, small, bench, or a ladder size (44m ... 16b)")
+    for field, flag in MODEL_FLAGS.items():
+        p.add_argument(flag, dest=field, type=int, default=None, help=f"override the preset's {field}")
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--inner-steps", type=int, default=inner_steps)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def _model(args, **extra):
+    import models
+
+    overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    return models.preset(args.model, **overrides, **extra)
+
+
+def _shapes(args):
+    from metatrain.problem import Shapes
+
+    return Shapes(inner_steps=args.inner_steps, batch=args.batch, seq_len=args.seq_len)
+
+
+def _write_json(path, payload):
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {path}")
+
+
+def cmd_check_grads(args) -> int:
+    from metatrain import checkgrads
+
+    checkgrads.enable_float64()
+    model, shapes = _model(args), _shapes(args)
+    print(f"check-grads: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}, "
+          f"V={model.vocab_size}) T={shapes.inner_steps} B={shapes.batch} S={shapes.seq_len}, float64")
+    results = checkgrads.check_grads(args.task, model, shapes, seed=args.seed, directions=args.directions,
+                                     eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
+                                     modes=tuple(args.modes.split(",")), progress=_progress)
+    print(f"{'variant':<22} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
+    for r in results:
+        print(f"{r.variant:<22} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
+    bad = [r.variant for r in results if not r.ok]
+    _write_json(args.json, {"task": args.task, "tol_rel": args.tol_rel, "tol_fd": args.tol_fd,
+                            "results": [vars(r) for r in results]})
+    if bad:
+        print(f"FAILED: {len(bad)} variant(s) past tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g}): "
+              + ", ".join(bad))
+        return 1
+    print(f"all {len(results)} variants within tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g})")
+    return 0
+
+
+def cmd_bench_memory(args) -> int:
+    from metatrain import memory
+    from metatrain.problem import parse_variant, variants
+
+    if args.backend != "cpu":
+        raise ValueError(f"--backend {args.backend} is not supported yet; use --backend cpu")
+    shapes = _shapes(args)
+    if args.grid == "ablation":
+        configs = [(_model(args), shapes)]
+        chosen = [parse_variant(v) for v in args.variants.split(",")] if args.variants else variants(
+            ("default", "mixflow"))
+    elif args.grid == "layers":
+        configs = [(_model(args, n_layers=n), shapes) for n in args.layers]
+        chosen = [parse_variant(v) for v in (args.variants or "default+remat,mixflow+remat+save").split(",")]
+    else:
+        raise ValueError(f"--grid {args.grid} is not supported yet; use ablation or layers")
+    if args.baseline not in {v.name for v in chosen}:
+        chosen.insert(0, parse_variant(args.baseline))
+    rows = memory.run(args.task, configs, chosen, baseline=args.baseline, progress=_progress)
+    print(memory.table(rows, args.baseline))
+    _write_json(args.json, rows)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metatrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check-grads", help="meta-gradient of every mode/variant vs reverse-over-reverse and "
+                                           "finite differences (float64); exit 1 past tolerance")
+    _add_problem_args(p, model="tiny", seq_len=8, batch=2, inner_steps=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--directions", type=int, default=3, help="random directions for finite differences")
+    p.add_argument("--eps", type=float, default=1e-2,
+                   help="largest finite-difference step (4th-order stencil, then steps down by sqrt(10))")
+    p.add_argument("--tol-rel", type=float, default=1e-10)
+    p.add_argument("--tol-fd", type=float, default=1e-6)
+    p.add_argument("--modes", default="default,mixflow,revfwd", help="comma list of meta-gradient modes")
+    p.set_defaults(fn=cmd_check_grads)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("memory", help="ahead-of-time memory per variant")
+    _add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
+    p.add_argument("--grid", default="ablation", choices=["ablation", "layers"])
+    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
+                   help="n_layers values for --grid layers, e.g. 2,8")
+    p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
+    p.set_defaults(fn=cmd_bench_memory)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from metatrain.tasks import TaskError
+
+    try:
+        return args.fn(args)
+    except (TaskError, ValueError, RuntimeError) as e:
+        print(f"metatrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The inner gradient, in three differentiation modes for the meta-gradient (MixFlow-MG, Sec. 3).
+
+`value_and_grad(loss_fn, mode)` returns `f(params, *inputs) -> (loss, dloss/dparams)`. The forward
+value is the same in every mode; what differs is how the *outer* reverse pass differentiates it:
+
+- `default`: plain autodiff, i.e. reverse-over-reverse (Algorithm 1).
+- `mixflow`: a custom VJP whose backward pass is a JVP of the gradient (forward-over-reverse).
+  By symmetry of second derivatives, the incoming cotangent `v` maps to `H v` (Hessian-vector
+  product, Eq. 7) for `params` and to `M v` (mixed-derivative product, Eq. 8) for every
+  floating-point input: this is how meta-parameters fed into the inner loss get their gradient.
+- `revfwd`: the same custom VJP, with the backward pass computed reverse-over-forward:
+  `grad_x <grad L(x), v>` where the inner directional derivative is a JVP.
+
+Integer inputs (token ids) get no cotangent. The loss value is returned too; its cotangent `c`
+contributes `c * dL/dx`, which the backward pass gets from the same JVP at no extra cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+MODES = ("default", "mixflow", "revfwd")
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _split_floats(inputs):
+    """inputs (a tuple of pytrees) → (float leaves, a function rebuilding inputs from new float leaves)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    mask = [_is_float(x) for x in leaves]
+
+    def rebuild(floats):
+        it = iter(floats)
+        return jax.tree.unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, mask)])
+
+    def cotangents(float_cts):
+        it = iter(float_cts)
+        return jax.tree.unflatten(treedef, [next(it) if m else None for m in mask])
+
+    return [x for x, m in zip(leaves, mask) if m], rebuild, cotangents
+
+
+def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow") -> Callable[..., Any]:
+    """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`."""
+    if mode not in MODES:
+        raise ValueError(f"unknown meta-gradient mode {mode!r}; choose one of {MODES}")
+    plain = jax.value_and_grad(loss_fn)
+    if mode == "default":
+        return plain
+
+    @jax.custom_vjp
+    def f(params, *inputs):
+        return plain(params, *inputs)
+
+    def fwd(params, *inputs):  # with symbolic_zeros, primals come wrapped (.value, .perturbed)
+        params, inputs = jax.tree.map(lambda x: x.value, (params, inputs), is_leaf=_is_primal)
+        return plain(params, *inputs), (params, inputs)
+
+    def bwd(residuals, cotangent):
+        params, inputs = residuals
+        ct_loss, ct_grad = cotangent
+        ct_grad = jax.tree.map(lambda c, p: jnp.zeros_like(p) if isinstance(c, SymbolicZero) else c,
+                               ct_grad, params, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        # The loss value is usually a metric only: its cotangent is a symbolic zero, and then the
+        # primal gradient need not be kept alive for the  ct_loss * dL/dx  term.
+        ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
+        floats, rebuild, cotangents = _split_floats(inputs)
+
+        def loss_of(p, fl):
+            return loss_fn(p, *rebuild(fl))
+
+        if mode == "mixflow":
+            grad_all = jax.grad(loss_of, argnums=(0, 1))
+            (g_p, g_in), (d_params, d_inputs) = jax.jvp(lambda p: grad_all(p, floats), (params,), (ct_grad,))
+            if ct_loss is not None:
+                d_params = jax.tree.map(lambda h, g: h + ct_loss.astype(g.dtype) * g, d_params, g_p)
+                d_inputs = [h + ct_loss.astype(g.dtype) * g for h, g in zip(d_inputs, g_in)]
+        else:  # revfwd: one reverse pass over  c * L + <grad_params L, v>,  the inner product by a JVP
+
+            def objective(p, fl):
+                zeros = [jnp.zeros_like(x) for x in fl]
+                value, along_v = jax.jvp(loss_of, (p, fl), (ct_grad, zeros))
+                return along_v if ct_loss is None else ct_loss.astype(value.dtype) * value + along_v
+
+            d_params, d_inputs = jax.grad(objective, argnums=(0, 1))(params, floats)
+        return (d_params, *cotangents(d_inputs))
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f

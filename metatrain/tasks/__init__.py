@@ -1,0 +1,45 @@
+"""Built-in BLO tasks, and loading a user's task by import path (`package.module:Class`)."""
+
+from __future__ import annotations
+
+import importlib
+
+from metatrain.tasks.base import Task, TaskError, validate
+from metatrain.tasks.learned_lr import LearnedLR
+from metatrain.tasks.loss_weighting import LossWeighting
+from metatrain.tasks.maml import MAML
+
+BUILTIN = {"maml": MAML, "learned_lr": LearnedLR, "loss_weighting": LossWeighting}
+
+
+def task_class(name: str) -> type[Task]:
+    """A built-in task name or `package.module:Class` → the task class."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise TaskError(f"unknown task {name!r}: use one of {sorted(BUILTIN)} or an import path "
+                        "'package.module:ClassName' to your own Task subclass")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"task {name!r}: cannot import module {module_name!r} ({e}); "
+                        "is it installed or on PYTHONPATH?") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise TaskError(f"task {name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"task {name!r}: {attr} is not a subclass of metatrain.tasks.Task")
+    return cls
+
+
+def make_task(name: str, **kwargs) -> Task:
+    """Builds a task: `make_task("maml", model=cfg, inner_lr=1e-3)`."""
+    task = task_class(name)(**kwargs)
+    if "name" not in vars(type(task)):  # a subclass that did not name itself is called as it was loaded
+        task.name = name
+    return task
+
+
+__all__ = ["BUILTIN", "MAML", "LearnedLR", "LossWeighting", "Task", "TaskError", "make_task", "task_class",
+           "validate"]

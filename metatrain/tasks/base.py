@@ -1,0 +1,137 @@
+"""The bilevel-optimisation task interface (Algorithm 2 of the MixFlow-MG paper).
+
+A task says five things; the framework does the rest (the inner `lax.scan`, per-step
+checkpoints, the mixed-mode meta-gradient, sharding, the outer optimiser):
+
+=====================================  ===============================================
+method                                 Algorithm 2
+=====================================  ===============================================
+`init_meta(key) -> eta`                meta-parameters η (a pytree of floats)
+`init_inner(key, eta) -> (theta, opt)` inner state (θ0, υ0) at the start of training
+`inner_start(eta, inner) -> (theta,    the state an outer step starts from: the carried
+opt)`                                  one by default (truncated BPTT); MAML: θ0 = η
+`inner_loss(theta, eta, batch)`        L(θ, η, x): a scalar
+`update(grads, theta, opt, eta)`       Υ(∇L, θ, υ, η) -> (θ', υ')
+`outer_loss(theta, eta, batch)`        V(θ_T, η, x_val): a scalar
+=====================================  ===============================================
+
+A batch is a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`
+(same shape) and per-example fields. `self.example_losses(theta, batch)` gives the next-token loss
+per example. Every method must be a pure function of its arguments (it is traced by JAX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import models
+from models import ModelConfig
+
+Pytree = Any
+
+
+class TaskError(ValueError):
+    """A task broke the contract above; the message names the task and the problem."""
+
+
+class Task:
+    """Base class for BLO tasks. Subclass it and override what your task changes.
+
+    The defaults: inner model = `model`, inner optimiser = Adam (differentiable: `eps_root > 0`),
+    inner loss = mean next-token loss, outer loss = mean next-token loss on the outer batch,
+    inner state carried over between outer steps.
+    """
+
+    name = "task"
+
+    def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None):
+        self.model = model
+        self.meta_model = meta_model or model.replace(head="score")
+        self.inner_lr = inner_lr
+        self.graphdef, _ = models.abstract_init(model)
+        self.inner_opt = optax.adam(inner_lr, eps_root=1e-8)
+
+    # ---- the five pieces -------------------------------------------------------------------
+    def init_meta(self, key: jax.Array) -> Pytree:
+        raise NotImplementedError(f"task {self.name!r} must define init_meta(key)")
+
+    def init_inner(self, key: jax.Array, meta: Pytree) -> tuple[Pytree, Pytree]:
+        _, theta = models.init(self.model, key)
+        return theta, self.inner_opt.init(theta)
+
+    def inner_start(self, meta: Pytree, inner: tuple[Pytree, Pytree]) -> tuple[Pytree, Pytree]:
+        return inner
+
+    def inner_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
+        return self.example_losses(theta, batch).mean()
+
+    def update(self, grads: Pytree, theta: Pytree, opt_state: Pytree, meta: Pytree) -> tuple[Pytree, Pytree]:
+        updates, opt_state = self.inner_opt.update(grads, opt_state, theta)
+        return optax.apply_updates(theta, updates), opt_state
+
+    def outer_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
+        return self.example_losses(theta, batch).mean()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    @property
+    def resets_inner(self) -> bool:
+        """True when every outer step starts from η (the carried inner state is not used)."""
+        return type(self).inner_start is not Task.inner_start
+
+    def example_losses(self, theta: Pytree, batch: dict) -> jax.Array:
+        """Next-token loss per example, [batch], of the inner model with parameters `theta`."""
+        tokens = batch["tokens"]
+        seg = batch.get("segment_ids")
+        pos = batch.get("positions")
+        logits = nnx.merge(self.graphdef, theta)(
+            tokens[:, :-1], None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
+        return models.next_token_loss(logits, tokens[:, 1:], None if seg is None else seg[:, 1:])
+
+
+def _describe(tree) -> str:
+    leaves = jax.tree.leaves(tree)
+    return f"{len(leaves)} leaves" if len(leaves) > 3 else str([(x.shape, str(x.dtype)) for x in leaves])
+
+
+def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict) -> None:
+    """Checks the task contract abstractly (`jax.eval_shape`: no compute) and raises `TaskError`."""
+    name = getattr(task, "name", type(task).__name__)
+
+    def fail(msg):
+        raise TaskError(f"task {name!r}: {msg}")
+
+    for x in jax.tree.leaves(meta):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            fail(f"meta-parameters must be floating point (they are differentiated), found dtype {x.dtype} "
+                 f"with shape {x.shape}; cast them with .astype(jnp.float32)")
+    if not jax.tree.leaves(meta):
+        fail("init_meta returned no arrays: there is nothing to meta-learn")
+
+    def call(what, fn, *args):
+        try:
+            return jax.eval_shape(fn, *args)
+        except TaskError:
+            raise
+        except Exception as e:  # noqa: BLE001 — re-raised with the task's name and the method
+            fail(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    theta, opt_state = call("inner_start(meta, inner)", task.inner_start, meta, inner)
+    for what, fn, args in (("inner_loss", task.inner_loss, (theta, meta, batch)),
+                           ("outer_loss", task.outer_loss, (theta, meta, batch))):
+        out = call(f"{what}(theta, meta, batch)", fn, *args)
+        if not hasattr(out, "shape") or out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
+            fail(f"{what} must return a floating-point scalar, got {getattr(out, 'shape', type(out))} "
+                 f"{getattr(out, 'dtype', '')}; reduce it, e.g. with .mean()")
+    new_theta, new_opt = call("update(grads, theta, opt_state, meta)", task.update, theta, theta, opt_state, meta)
+    for what, old, new in (("theta", theta, new_theta), ("optimizer state", opt_state, new_opt)):
+        if jax.tree.structure(old) != jax.tree.structure(new):
+            fail(f"update must return {what} with the same structure as it was given")
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                fail(f"update changed {what} leaf from {a.shape} {a.dtype} to {b.shape} {b.dtype}; "
+                     "it must keep shapes and dtypes (scan carries cannot change)")

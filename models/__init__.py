@@ -1,0 +1,25 @@
+"""NNX Chinchilla transformers and the paper's size ladder."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from models.config import LADDER, TINY, ModelConfig, param_count, preset
+from models.transformer import Transformer, next_token_loss
+
+
+def init(cfg: ModelConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
+    """Builds the model and splits it once: a static graphdef and a pytree of parameters."""
+    model = Transformer(cfg, rngs=nnx.Rngs(params=key))
+    return nnx.split(model)
+
+
+def abstract_init(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Like `init`, but with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.split(model)
+
+
+__all__ = ["LADDER", "TINY", "ModelConfig", "Transformer", "abstract_init", "init", "next_token_loss",
+           "param_count", "preset"]

@@ -1,0 +1,118 @@
+"""Model configuration and the Chinchilla size ladder used by the MixFlow-MG paper (Table A.9)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+HEADS = ("lm", "score")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Chinchilla-style decoder-only transformer (RoPE, pre-norm RMSNorm, GELU MLP).
+
+    `head="lm"` gives next-token logits; `head="score"` gives one scalar per example
+    (used by meta models, e.g. per-example loss weights).
+    """
+
+    vocab_size: int = 1024
+    d_model: int = 128
+    n_heads: int = 4
+    kv_size: int = 0  # per-head size; 0 means d_model // n_heads
+    d_ff: int = 512
+    n_layers: int = 2
+    tie_embeddings: bool = True
+    head: str = "lm"
+    rope_base: float = 10_000.0
+    norm_eps: float = 1e-6
+    remat: bool = False  # rematerialise each block in the backward pass
+    remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_size < 0:
+            raise ValueError(f"model.kv_size must be >= 0 (0 = d_model // n_heads), got {self.kv_size}")
+        if self.kv_size == 0 and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "change one of them or set model.kv_size explicitly")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even per-head size, got {self.head_dim}")
+        if self.head not in HEADS:
+            raise ValueError(f"model.head must be one of {HEADS}, got {self.head!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        if self.param_dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"model.param_dtype must be float32, float64 or bfloat16, got {self.param_dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_size or self.d_model // self.n_heads
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, counted from the shapes (no allocation)."""
+    d, h, k, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
+    block = 4 * d * h * k + 2 * d * f + 2 * d  # q, k, v, o; MLP in/out; two norms
+    out = 0 if (cfg.head == "lm" and cfg.tie_embeddings) else d * (cfg.vocab_size if cfg.head == "lm" else 1)
+    return cfg.vocab_size * d + cfg.n_layers * block + d + out
+
+
+# name: (millions in the paper, d_model, ffw_size, kv_size, n_heads, n_layers)
+LADDER = {
+    "44m": (44, 512, 2048, 64, 8, 8),
+    "90m": (90, 640, 2560, 64, 10, 13),
+    "140m": (140, 768, 3072, 64, 12, 15),
+    "196m": (196, 896, 3584, 64, 14, 16),
+    "278m": (278, 1024, 4096, 64, 16, 18),
+    "489m": (489, 1280, 5120, 128, 10, 21),
+    "587m": (587, 1408, 5632, 128, 11, 21),
+    "724m": (724, 1536, 6144, 128, 12, 22),
+    "1b": (1018, 1792, 7168, 128, 14, 23),
+    "1.4b": (1429, 2048, 8192, 128, 16, 25),
+    "1.6b": (1609, 2176, 8704, 128, 17, 25),
+    "2b": (2007, 2304, 9216, 128, 18, 28),
+    "2.6b": (2639, 2560, 10240, 128, 20, 30),
+    "3.8b": (3802, 2816, 11264, 128, 22, 36),
+    "4.5b": (4516, 3072, 12288, 128, 24, 36),
+    "6.8b": (6796, 3584, 14336, 128, 28, 40),
+    "9.3b": (9293, 4096, 16384, 128, 32, 42),
+    "11.5b": (11452, 4352, 17408, 128, 32, 47),
+    "12.3b": (12295, 4608, 18432, 128, 36, 44),
+    "12.6b": (12569, 4608, 18432, 128, 32, 47),
+    "13.7b": (13735, 4864, 19456, 128, 32, 47),
+    "16b": (16183, 5120, 20480, 128, 40, 47),
+}
+LADDER_VOCAB = 32_000  # Chinchilla's SentencePiece vocabulary
+
+TINY = {
+    "tiny": ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=2),
+    "small": ModelConfig(vocab_size=1024, d_model=64, n_heads=4, d_ff=256, n_layers=2),
+    "bench": ModelConfig(vocab_size=1024, d_model=128, n_heads=4, d_ff=512, n_layers=8),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named model: a ladder size (`44m` ... `16b`) or a tiny one (`tiny`, `small`, `bench`)."""
+    key = name.lower()
+    if key in LADDER:
+        _, d, f, k, h, n = LADDER[key]
+        base = ModelConfig(vocab_size=LADDER_VOCAB, d_model=d, d_ff=f, kv_size=k, n_heads=h, n_layers=n)
+    elif key in TINY:
+        base = TINY[key]
+    else:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(TINY) + list(LADDER)}")
+    return base.replace(**overrides)

@@ -1,0 +1,166 @@
+"""Chinchilla transformer in Flax NNX: RoPE, pre-norm blocks stacked along a `layers` axis and
+applied by a `lax.scan`, with optional per-block rematerialisation.
+
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`, `layers`) that the
+Trainer maps onto a device mesh. Only the block stack is scanned: on CPU as on TPU that is what
+lets block remat actually bound activation memory (see FACTS.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+
+
+def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """Softmax and losses run in at least float32 (float64 stays float64 for gradient checks)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.scale = _param(rngs, nnx.initializers.ones, (cfg.d_model,), ("embed",), cfg.dtype)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):  # [..., d_model]
+        x32 = x.astype(compute_dtype(x.dtype))
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x, positions, base: float):
+    """Rotary position embedding, rotate-half form. x: [batch, seq, heads, k]; positions: [batch, seq]."""
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=compute_dtype(x.dtype)) / half)  # [k/2]
+    angle = positions[..., None].astype(freq.dtype) * freq  # [batch, seq, k/2]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids):
+    """Causal mask that never crosses documents. segment_ids: [batch, seq] → [batch, 1, seq, seq].
+    Built from iota and broadcast comparisons so XLA fuses it into its consumer: no S² buffer."""
+    s = segment_ids.shape[1]
+    pos = jax.lax.broadcasted_iota(jnp.int32, (1, 1, s, s), 2), jax.lax.broadcasted_iota(jnp.int32, (1, 1, s, s), 3)
+    same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return (pos[0] >= pos[1]) & same_doc
+
+
+def dense_attention(q, k, v, mask):
+    """q, k, v: [batch, seq, heads, k]; mask: [batch, 1, seq, seq] → [batch, seq, heads, k]."""
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=compute_dtype(q.dtype))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [batch, heads, q, s]
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, dt = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.dtype
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
+        self.wq = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
+        self.wk = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
+        self.wv = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
+        out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
+        self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
+        self.rope_base = cfg.rope_base
+
+    def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
+        q = rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...]), positions, self.rope_base)
+        k = rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...]), positions, self.rope_base)
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
+        return jnp.einsum("bshk,hkd->bsd", dense_attention(q, k, v, attention_mask(segment_ids)), self.wo[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_in = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
+        self.w_out = _param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.dtype)
+
+    def __call__(self, x):  # [batch, seq, d_model]
+        return jax.nn.gelu(x @ self.w_in[...]) @ self.w_out[...]
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer. `__call__(tokens)` gives logits [batch, seq, vocab] for `head="lm"`
+    and one score per example [batch] for `head="score"` (mean over the sequence's valid positions)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        embed_init = nnx.initializers.normal(cfg.d_model**-0.5)
+        self.embed = _param(rngs, embed_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.dtype)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        if cfg.head == "score":
+            self.out = _param(rngs, nnx.initializers.zeros, (cfg.d_model, 1), ("embed", None), cfg.dtype)
+        elif not cfg.tie_embeddings:
+            self.out = _param(rngs, nnx.initializers.lecun_normal(), (cfg.d_model, cfg.vocab_size),
+                              ("embed", "vocab"), cfg.dtype)
+
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """tokens, segment_ids, positions: int [batch, seq]. segment_ids 0 marks padding."""
+        b, s = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [batch, seq, d_model]
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x, block_state):
+            return nnx.merge(graphdef, block_state)(x, positions, segment_ids), None
+
+        if self.cfg.remat:
+            body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self.cfg.remat_policy))
+        x, _ = jax.lax.scan(body, x, stacked)
+        x = self.final_norm(x)
+
+        if self.cfg.head == "score":
+            valid = (segment_ids > 0).astype(x.dtype)[..., None]  # [batch, seq, 1]
+            pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)  # [batch, d_model]
+            return (pooled @ self.out[...])[:, 0]  # [batch]
+        w_out = self.embed[...].T if self.cfg.tie_embeddings else self.out[...]
+        return x @ w_out  # [batch, seq, vocab]
+
+
+def next_token_loss(logits, tokens_out, segment_ids=None):
+    """Per-example mean cross-entropy. logits: [batch, seq, vocab]; tokens_out: [batch, seq] → [batch]."""
+    logits = logits.astype(compute_dtype(logits.dtype))
+    # one-hot rather than a gather: it fuses (iota compare), where a gather's transpose is a scatter
+    target = jax.nn.one_hot(tokens_out, logits.shape[-1], dtype=logits.dtype)
+    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(target * logits, axis=-1)  # [batch, seq]
+    if segment_ids is None:
+        return nll.mean(-1)
+    valid = (segment_ids > 0).astype(nll.dtype)
+    return (nll * valid).sum(-1) / jnp.maximum(valid.sum(-1), 1)

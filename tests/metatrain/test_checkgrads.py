@@ -1,0 +1,56 @@
+"""check-grads on the three built-in tasks (tiny model, float64), and that it can fail."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import models
+from metatrain import checkgrads, cli
+from metatrain.problem import Shapes
+from metatrain.tasks import MAML
+
+
+@pytest.mark.parametrize("task", ["learned_lr", "loss_weighting"])
+def test_builtin_tasks_all_variants(task):
+    checkgrads.enable_float64()
+    results = checkgrads.check_grads(task, models.preset("tiny"), Shapes(2, 2, 8))
+    assert {r.variant for r in results} >= {"default+remat", "mixflow+remat+save", "revfwd+remat+save"}
+    assert len(results) == 12
+    for r in results:
+        assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6 and r.ok, r
+
+
+def test_cli_maml_writes_json_and_exits_zero(tmp_path, capsys):
+    out = tmp_path / "grads.json"
+    assert cli.main(["check-grads", "--task", "maml", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["results"]) == 12 and all(r["ok"] for r in report["results"])
+    assert "all 12 variants within tolerance" in capsys.readouterr().out
+
+
+@jax.custom_vjp
+def _wrong_derivative(x):
+    return x
+
+
+_wrong_derivative.defvjp(lambda x: (x, None), lambda _, ct: (1.5 * ct,))
+
+
+class WrongGradientTask(MAML):
+    """Every mode agrees on a wrong derivative: only finite differences can catch it."""
+
+    def outer_loss(self, theta, meta, batch):
+        return _wrong_derivative(super().outer_loss(theta, meta, batch))
+
+
+def test_check_fails_on_a_wrong_gradient(capsys):
+    assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--modes", "default"]) == 1
+    assert "FAILED: 4 variant(s)" in capsys.readouterr().out
+
+
+def test_cli_bad_task_is_a_one_line_error(capsys):
+    assert cli.main(["check-grads", "--task", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("metatrain check-grads: error: unknown task 'nope'") and "\n" not in err

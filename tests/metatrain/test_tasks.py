@@ -1,0 +1,93 @@
+"""The task interface: a user's own task by import path, and clear errors for broken contracts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import models
+from metatrain import checkgrads
+from metatrain.problem import Shapes
+from metatrain.tasks import MAML, Task, TaskError, make_task, task_class, validate
+
+
+class LearnedWeightDecay(Task):
+    """A custom task: η is a log weight-decay coefficient added to the inner loss."""
+
+    name = "learned_weight_decay"
+
+    def init_meta(self, key):
+        return {"log_decay": jnp.full((), -2.0, self.model.dtype)}
+
+    def inner_loss(self, theta, meta, batch):
+        l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(theta))
+        return self.example_losses(theta, batch).mean() + jnp.exp(meta["log_decay"]) * l2
+
+
+class NonScalarLoss(MAML):
+    def inner_loss(self, theta, meta, batch):
+        return self.example_losses(theta, batch)  # [batch]: forgot the .mean()
+
+
+class IntegerMeta(Task):
+    def init_meta(self, key):
+        return {"steps": jnp.arange(3)}
+
+
+class ShapeChangingUpdate(MAML):
+    def update(self, grads, theta, opt_state, meta):
+        return jax.tree.map(lambda p: p[..., :1], theta), opt_state
+
+
+class NotATask:
+    pass
+
+
+CFG = models.preset("tiny")
+SHAPES = Shapes(inner_steps=2, batch=2, seq_len=8)
+
+
+def _setup(task):
+    meta = task.init_meta(jax.random.key(0))
+    inner = task.init_inner(jax.random.key(1), meta)
+    return meta, inner, SHAPES.batches(CFG.vocab_size, jax.random.key(2))[1]
+
+
+def test_custom_task_by_import_path_passes_check_grads():
+    task = make_task(f"{__name__}:LearnedWeightDecay", model=CFG)
+    assert isinstance(task, LearnedWeightDecay) and not task.resets_inner
+    checkgrads.enable_float64()
+    results = checkgrads.check_grads(f"{__name__}:LearnedWeightDecay", CFG, SHAPES, modes=("default", "mixflow"))
+    assert len(results) == 8
+    for r in results:
+        assert r.ok, r
+        assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6
+
+
+def test_builtin_names_and_reset_flags():
+    assert task_class("maml") is MAML
+    assert make_task("maml", model=CFG).resets_inner
+    assert not make_task("learned_lr", model=CFG).resets_inner
+    assert not make_task("loss_weighting", model=CFG).resets_inner
+
+
+@pytest.mark.parametrize("cls, message", [
+    ("NonScalarLoss", "inner_loss must return a floating-point scalar"),
+    ("IntegerMeta", "meta-parameters must be floating point"),
+    ("ShapeChangingUpdate", "update changed theta"),
+])
+def test_broken_contract_names_task_and_problem(cls, message):
+    task = make_task(f"{__name__}:{cls}", model=CFG)
+    with pytest.raises(TaskError, match=message) as err:
+        validate(task, *_setup(task))
+    assert cls in str(err.value)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("mamll", "unknown task 'mamll'"),
+    ("no_such_module_xyz:Task", "cannot import module"),
+    (f"{__name__}:Missing", "has no attribute 'Missing'"),
+    (f"{__name__}:NotATask", "not a subclass"),
+])
+def test_bad_task_names(name, message):
+    with pytest.raises(TaskError, match=message):
+        task_class(name)
