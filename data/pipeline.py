@@ -1,0 +1,146 @@
+"""Grain next-token pipelines: an inner (train) and an outer (validation) stream over disjoint documents.
+
+documents → [this process's shard] → shuffle(seed), repeat → tokenize (+ end-of-text; optionally
+corrupt a fraction of inner documents) → concatenate-then-split into rows of seq_len+1 (with segment
+ids and positions, so attention never crosses documents) → batch. The inner stream yields
+`[T, batch, seq_len+1]` per outer step, the outer stream `[batch, seq_len+1]` (batch = per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from data.corpus import FileDocuments, builtin_corpus_files
+from data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
+
+SEQ_FEATURES = ("tokens", "corrupted")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"  # "builtin", "tfds:NAME", or a dataset built by `metatrain data build`
+    data_dir: str | None = None
+    split: str = "train"
+    tokenizer: str = DEFAULT_ENCODING
+    vocab_size: int | None = 8192
+    seq_len: int = 128
+    batch: int = 16  # global: split across processes
+    inner_steps: int = 2
+    outer_every: int = 10  # every k-th document is held out for the outer (validation) stream
+    corrupt_fraction: float = 0.0  # of inner documents: tokens shuffled within the document
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch", "inner_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
+        if self.outer_every < 2:
+            raise ValueError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
+        if not 0.0 <= self.corrupt_fraction < 1.0:
+            raise ValueError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
+
+
+class Subset:
+    """Documents at the given ids of a random-access source; yields (global id, text)."""
+
+    def __init__(self, source, ids: Sequence[int]):
+        self.source, self.ids = source, np.asarray(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        doc = int(self.ids[i])
+        return doc, self.source[doc]
+
+
+def document_source(cfg: DataConfig):
+    """A random-access source of document texts for the config's `source`."""
+    if cfg.source == "builtin":
+        return FileDocuments(builtin_corpus_files())
+    from data import tfds_source  # imports tensorflow_datasets, only when needed
+
+    return tfds_source.text_source(cfg.source.removeprefix("tfds:"), cfg.split, cfg.data_dir)
+
+
+def split_ids(n_docs: int, outer_every: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inner and outer document ids: every `outer_every`-th document is outer. Disjoint by construction."""
+    if n_docs < outer_every:
+        raise ValueError(f"the corpus has {n_docs} documents; at least {outer_every} are needed to hold one out")
+    ids = np.arange(n_docs)
+    return ids[ids % outer_every != 0], ids[ids % outer_every == 0]
+
+
+def _encoder(tok: Tokenizer, corrupt_fraction: float, seed: int):
+    def encode(item):
+        doc, text = item
+        tokens = tok.encode(text)
+        rng = np.random.default_rng([seed, doc])
+        corrupted = corrupt_fraction > 0 and rng.random() < corrupt_fraction
+        if corrupted:  # same tokens, order destroyed: only a model that reads order can tell
+            tokens[:-1] = rng.permutation(tokens[:-1])
+        return {"tokens": tokens, "corrupted": np.full(tokens.shape, corrupted, np.int32)}
+
+    return encode
+
+
+def _finish(row: dict) -> dict:
+    return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"],
+            "positions": row["tokens_positions"],
+            "corrupted": (row["corrupted"].mean(-1) > 0.5).astype(np.int32)}  # per example
+
+
+def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, corrupt_fraction: float = 0.0,
+           process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+    """Packed, batched rows [batch, seq_len+1] from this process's shard of the documents `ids`."""
+    ds = grain.MapDataset.source(Subset(docs, ids))[process_index::process_count]
+    ds = ds.shuffle(seed=seed).repeat().map(_encoder(tok, corrupt_fraction, seed)).to_iter_dataset()
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={f: seq_len + 1 for f in SEQ_FEATURES})
+    return ds.map(_finish).batch(batch, drop_remainder=True)
+
+
+class Streams:
+    """The inner and outer streams of one process, with checkpointable state."""
+
+    def __init__(self, cfg: DataConfig, process_index: int | None = None, process_count: int | None = None):
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index, process_count = jax.process_index(), jax.process_count()
+        if cfg.batch % process_count:
+            raise ValueError(f"data.batch={cfg.batch} is not divisible by the {process_count} processes; "
+                             f"use a multiple of {process_count}")
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
+        docs = document_source(cfg)
+        inner_ids, outer_ids = split_ids(len(docs), cfg.outer_every)
+        common = dict(seq_len=cfg.seq_len, batch=cfg.batch // process_count, process_index=process_index,
+                      process_count=process_count)
+        if min(len(inner_ids), len(outer_ids)) < process_count:
+            raise ValueError(f"too few documents ({len(docs)}) to give each of {process_count} processes one")
+        self.inner = iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed,
+                                 corrupt_fraction=cfg.corrupt_fraction, **common).batch(cfg.inner_steps))
+        self.outer = iter(stream(docs, outer_ids, self.tokenizer, seed=cfg.seed + 1, **common))
+
+    def next(self) -> tuple[dict, dict]:
+        """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step."""
+        return next(self.inner), next(self.outer)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.get_state(), "outer": self.outer.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.inner.set_state(state["inner"])
+        self.outer.set_state(state["outer"])
+
+
+def to_global(batch: dict, mesh, spec) -> dict:
+    """Per-process numpy batch → global `jax.Array`s sharded by `spec` (batch axis) over `mesh`."""
+    import jax
+
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

