@@ -1,0 +1,90 @@
+"""TFDS sources: read any prepared dataset through `tfds.data_source`, and build one from local text.
+
+`build_text_dataset` turns files into an ArrayRecord TFDS dataset (one document per file, feature
+`text`) in a data dir. TFDS writes into a temporary folder and renames it only when every shard is
+written, so a failed build leaves nothing that reads as complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+import tensorflow_datasets as tfds
+
+from data.corpus import DecodeStats, expand_paths, read_text
+
+DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+
+
+class TextSource:
+    """Random access to the `text` feature (or the first text-like feature) of a TFDS data source."""
+
+    def __init__(self, source, feature: str):
+        self.source, self.feature = source, feature
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> str:
+        value = self.source[i][self.feature]
+        return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def text_source(name: str, split: str = "train", data_dir: str | None = None) -> TextSource:
+    data_dir = data_dir or DEFAULT_DATA_DIR
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as e:  # noqa: BLE001 — TFDS raises several types for "not there"
+        raise ValueError(
+            f"TFDS dataset {name!r} (split {split!r}) is not prepared in {data_dir} ({type(e).__name__}); prepare it "
+            f"with `tfds build {name} --data_dir {data_dir} --file_format array_record` on a machine with network "
+            f"access, or build one from local text with `metatrain data build`") from None
+    if len(source) == 0:
+        raise ValueError(f"TFDS dataset {name!r} split {split!r} in {data_dir} is empty")
+    features = source[0]
+    feature = "text" if "text" in features else next(
+        (k for k, v in features.items() if isinstance(v, (bytes, str))), None)
+    if feature is None:
+        raise ValueError(f"TFDS dataset {name!r} has no text feature (features: {sorted(features)})")
+    return TextSource(source, feature)
+
+
+def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = None) -> tuple[str, DecodeStats]:
+    """Local text files, folders or globs → TFDS dataset `name` in `data_dir`. Returns its path and decode stats."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"dataset name {name!r} must be snake_case (lowercase letters, digits, _)")
+    files = expand_paths(paths)
+    data_dir = data_dir or DEFAULT_DATA_DIR
+    stats = DecodeStats()
+
+    def generate():
+        empty = True
+        for i, f in enumerate(files):
+            text = read_text(f, stats)
+            if text.strip():
+                empty = False
+                yield i, {"text": text}
+        if empty:
+            raise ValueError(f"the corpus is empty: all {len(files)} file(s) hold no text")
+
+    with tfds.core.registered.skip_registration():
+        builder_cls = type(name, (_TextBuilder,), {"name": name, "_generate": staticmethod(generate)})
+    builder = builder_cls(data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
+    return builder.data_dir, stats
+
+
+class _TextBuilder(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+    _generate = None
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+        yield from self._generate()

@@ -1,0 +1,77 @@
+"""Local text → TFDS ArrayRecord dataset → read back through tfds.data_source in a fresh process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from data import tfds_source
+from metatrain import cli
+
+
+def _corpus(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i in range(12):
+        (src / f"doc{i:02d}.txt").write_text(f"document {i}: " + "some words here " * (20 + i))
+    (src / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 5)
+    return src
+
+
+def test_build_and_read_back_in_subprocess(tmp_path, capsys):
+    src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    assert cli.main(["data", "build", str(src), "--name", "local_docs", "--data-dir", str(data_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "from 13 file(s)" in out and "5 undecodable byte(s) replaced" in out
+    code = (
+        "import json, grain; from data.tfds_source import text_source\n"
+        f"s = text_source('local_docs', 'train', {str(data_dir)!r})\n"
+        "docs = sorted(grain.MapDataset.source(s))\n"
+        "print(json.dumps({'n': len(s), 'first': docs[0][:12]}))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"n": 13, "first": "caf\ufffd au lait"}
+
+
+def test_pipeline_reads_the_built_dataset(tmp_path, capsys):
+    src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    tfds_source.build_text_dataset([str(src)], "pipe_docs", str(data_dir))
+    assert cli.main(["data", "stats", "--source", "tfds:pipe_docs", "--data-dir", str(data_dir),
+                     "--vocab-size", "1024"]) == 0
+    assert "documents: 13 of 13" in capsys.readouterr().out
+    assert cli.main(["data", "bench", "--source", "tfds:pipe_docs", "--data-dir", str(data_dir), "--seq-len", "32",
+                     "--batch", "4", "--seconds", "0.5", "--vocab-size", "1024"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("tokens/s")
+
+
+def test_failed_build_leaves_nothing_readable(tmp_path, monkeypatch):
+    src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    calls = {"n": 0}
+    real = tfds_source.read_text
+
+    def flaky(path, stats=None):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk went away")
+        return real(path, stats)
+
+    monkeypatch.setattr(tfds_source, "read_text", flaky)
+    with pytest.raises(OSError, match="disk went away"):
+        tfds_source.build_text_dataset([str(src)], "broken_docs", str(data_dir))
+    with pytest.raises(ValueError, match="not prepared"):
+        tfds_source.text_source("broken_docs", "train", str(data_dir))
+
+
+def test_empty_corpus_and_unprepared_names(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="corpus is empty"):
+        tfds_source.build_text_dataset([str(tmp_path / "empty")], "empty_docs", str(tmp_path / "tfds"))
+    with pytest.raises(ValueError, match="not prepared"):
+        tfds_source.text_source("empty_docs", "train", str(tmp_path / "tfds"))
+    assert cli.main(["data", "stats", "--source", "tfds:lm1b", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'lm1b'" in err and "tfds build lm1b" in err
+    assert cli.main(["data", "build", str(tmp_path / "nope"), "--name", "x"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
