@@ -108,9 +108,8 @@ class Streams:
 
     def __init__(self, cfg: DataConfig, process_index: int | None = None, process_count: int | None = None):
         if process_index is None or process_count is None:
-            import jax
-
-            process_index, process_count = jax.process_index(), jax.process_count()
+            shard = grain.sharding.ShardByJaxProcess()  # this process's place in a multi-host job
+            process_index, process_count = shard.shard_index, shard.shard_count
         if cfg.batch % process_count:
             raise ValueError(f"data.batch={cfg.batch} is not divisible by the {process_count} processes; "
                              f"use a multiple of {process_count}")
@@ -136,6 +135,16 @@ class Streams:
     def set_state(self, state: dict[str, Any]) -> None:
         self.inner.set_state(state["inner"])
         self.outer.set_state(state["outer"])
+
+    def save_args(self) -> dict:
+        """Orbax composite-args entries that save both iterators (one JSON file per process)."""
+        return {"inner_data": grain.checkpoint.CheckpointSave(self.inner),
+                "outer_data": grain.checkpoint.CheckpointSave(self.outer)}
+
+    def restore_args(self) -> dict:
+        """Orbax composite-args entries that restore both iterators in place."""
+        return {"inner_data": grain.checkpoint.CheckpointRestore(self.inner),
+                "outer_data": grain.checkpoint.CheckpointRestore(self.outer)}
 
 
 def to_global(batch: dict, mesh, spec) -> dict:

@@ -113,3 +113,39 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
     f.write_bytes(b"ok \xff\xfe text")
     stats = DecodeStats()
     assert read_text(str(f), stats).startswith("ok ") and stats.replaced_chars == 2
+
+
+def test_orbax_checkpoint_of_both_streams(tmp_path):
+    import orbax.checkpoint as ocp
+
+    cfg = DataConfig(seq_len=16, batch=2, vocab_size=1024, corrupt_fraction=0.3)
+    a = Streams(cfg, 0, 1)
+    a.next()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(1, args=ocp.args.Composite(**a.save_args()))
+        mngr.wait_until_finished()
+    expected = [a.next() for _ in range(2)]
+    b = Streams(cfg, 0, 1)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.restore(mngr.latest_step(), args=ocp.args.Composite(**b.restore_args()))
+    for (ei, eo), (gi, go) in zip(expected, [b.next() for _ in range(2)]):
+        np.testing.assert_array_equal(ei["tokens"], gi["tokens"])
+        np.testing.assert_array_equal(eo["tokens"], go["tokens"])
+
+
+def test_global_arrays_over_simulated_devices():
+    import subprocess, sys, os
+
+    code = (
+        "import jax, numpy as np\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "from data.pipeline import to_global\n"
+        "mesh = jax.make_mesh((4,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))\n"
+        "g = to_global({'tokens': np.arange(8 * 5).reshape(8, 5)}, mesh, P('data'))['tokens']\n"
+        "assert g.shape == (8, 5) and len(g.sharding.device_set) == 4\n"
+        "assert [s.data.shape for s in g.addressable_shards] == [(2, 5)] * 4\n"
+        "np.testing.assert_array_equal(np.asarray(g), np.arange(40).reshape(8, 5))\n"
+        "print('ok')\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
