@@ -18,10 +18,16 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from metatrain.problem import Shapes, Variant, abstract_state, build_task
-from metatrain.unroll import meta_value_and_grad, state_bytes
+from metatrain.unroll import meta_value_and_grad
 from models import ModelConfig
+
+
+def state_bytes(tree) -> int:
+    """Bytes of a pytree of arrays or ShapeDtypeStructs."""
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def profile(task_name: str, model: ModelConfig, shapes: Shapes, variant: Variant) -> dict:

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from metatrain import mixflow
@@ -68,8 +67,3 @@ def outer_loss(task: Task, unroll: Unroll) -> Callable:
 def meta_value_and_grad(task: Task, unroll: Unroll) -> Callable:
     """`g(meta, inner, batches, outer_batch) -> ((V, OuterAux), dV/dmeta)`."""
     return jax.value_and_grad(outer_loss(task, unroll), has_aux=True)
-
-
-def state_bytes(tree) -> int:
-    """Bytes of a pytree of arrays or ShapeDtypeStructs."""
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
