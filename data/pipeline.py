@@ -9,6 +9,7 @@ ids and positions, so attention never crosses documents) → batch. The inner st
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Sequence
 
 import grain
@@ -31,11 +32,12 @@ class DataConfig:
     batch: int = 16  # global: split across processes
     inner_steps: int = 2
     outer_every: int = 10  # every k-th document is held out for the outer (validation) stream
+    shuffle_window: int = 2048  # packed rows are shuffled within windows of this many rows
     corrupt_fraction: float = 0.0  # of inner documents: tokens shuffled within the document
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("seq_len", "batch", "inner_steps"):
+        for name in ("seq_len", "batch", "inner_steps", "shuffle_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
         if self.outer_every < 2:
@@ -67,12 +69,14 @@ def document_source(cfg: DataConfig):
     return tfds_source.text_source(cfg.source.removeprefix("tfds:"), cfg.split, cfg.data_dir)
 
 
-def split_ids(n_docs: int, outer_every: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inner and outer document ids: every `outer_every`-th document is outer. Disjoint by construction."""
+def split_ids(n_docs: int, outer_every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inner, outer and test document ids: document i is outer when i % k == 0, test when i % k == k // 2
+    (k = outer_every), inner otherwise. Disjoint by construction; test documents are seen by no training."""
     if n_docs < outer_every:
         raise ValueError(f"the corpus has {n_docs} documents; at least {outer_every} are needed to hold one out")
     ids = np.arange(n_docs)
-    return ids[ids % outer_every != 0], ids[ids % outer_every == 0]
+    outer, test = ids % outer_every == 0, ids % outer_every == outer_every // 2
+    return ids[~outer & ~test], ids[outer], ids[test]
 
 
 def _encoder(tok: Tokenizer, corrupt_fraction: float, seed: int):
@@ -95,12 +99,44 @@ def _finish(row: dict) -> dict:
 
 
 def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, corrupt_fraction: float = 0.0,
-           process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-    """Packed, batched rows [batch, seq_len+1] from this process's shard of the documents `ids`."""
+           process_index: int = 0, process_count: int = 1, shuffle_window: int = 2048) -> grain.IterDataset:
+    """Packed, batched rows [batch, seq_len+1] from this process's shard of the documents `ids`.
+
+    Packing a long document gives many consecutive rows of it; the window shuffle after packing mixes
+    rows of many documents into each batch (per-example weighting needs mixed batches)."""
     ds = grain.MapDataset.source(Subset(docs, ids))[process_index::process_count]
     ds = ds.shuffle(seed=seed).repeat().map(_encoder(tok, corrupt_fraction, seed)).to_iter_dataset()
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={f: seq_len + 1 for f in SEQ_FEATURES})
+    if shuffle_window > 1:
+        ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
     return ds.map(_finish).batch(batch, drop_remainder=True)
+
+
+def _json_safe_state(state):
+    """Grain's concat-then-split state holds (start, stop) tuples that it compares with `==` to a tuple;
+    after a JSON round trip they are lists and restore goes wrong. Turn them back into tuples."""
+    if isinstance(state, dict):
+        return {k: ({f: tuple(sl) for f, sl in v.items()} if k == "remainder_slices" else _json_safe_state(v))
+                for k, v in state.items()}
+    if isinstance(state, list):
+        return [_json_safe_state(x) for x in state]
+    return state
+
+
+class _Checkpointable:
+    """What `grain.checkpoint` handlers save and restore: the iterator's state as JSON bytes."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.iterator.get_state()).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.iterator.set_state(_json_safe_state(json.loads(state)))
+
+    def start_prefetch(self) -> None:
+        pass
 
 
 class Streams:
@@ -116,10 +152,11 @@ class Streams:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
         docs = document_source(cfg)
-        inner_ids, outer_ids = split_ids(len(docs), cfg.outer_every)
+        inner_ids, outer_ids, self.test_ids = split_ids(len(docs), cfg.outer_every)
         common = dict(seq_len=cfg.seq_len, batch=cfg.batch // process_count, process_index=process_index,
-                      process_count=process_count)
-        if min(len(inner_ids), len(outer_ids)) < process_count:
+                      process_count=process_count, shuffle_window=cfg.shuffle_window)
+        self._docs, self._common = docs, common
+        if min(len(inner_ids), len(outer_ids), len(self.test_ids)) < process_count:
             raise ValueError(f"too few documents ({len(docs)}) to give each of {process_count} processes one")
         self.inner = iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed,
                                  corrupt_fraction=cfg.corrupt_fraction, **common).batch(cfg.inner_steps))
@@ -129,22 +166,28 @@ class Streams:
         """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step."""
         return next(self.inner), next(self.outer)
 
+    def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345) -> list[dict]:
+        """`n` batches [batch, seq+1] of held-out test documents (never in either stream), the same every call."""
+        it = iter(stream(self._docs, self.test_ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
+                         **self._common))
+        return [next(it) for _ in range(n)]
+
     def get_state(self) -> dict[str, Any]:
         return {"inner": self.inner.get_state(), "outer": self.outer.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(state["inner"])
-        self.outer.set_state(state["outer"])
+        self.inner.set_state(_json_safe_state(state["inner"]))
+        self.outer.set_state(_json_safe_state(state["outer"]))
 
     def save_args(self) -> dict:
         """Orbax composite-args entries that save both iterators (one JSON file per process)."""
-        return {"inner_data": grain.checkpoint.CheckpointSave(self.inner),
-                "outer_data": grain.checkpoint.CheckpointSave(self.outer)}
+        return {"inner_data": grain.checkpoint.CheckpointSave(_Checkpointable(self.inner)),
+                "outer_data": grain.checkpoint.CheckpointSave(_Checkpointable(self.outer))}
 
     def restore_args(self) -> dict:
         """Orbax composite-args entries that restore both iterators in place."""
-        return {"inner_data": grain.checkpoint.CheckpointRestore(self.inner),
-                "outer_data": grain.checkpoint.CheckpointRestore(self.outer)}
+        return {"inner_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.inner)),
+                "outer_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.outer))}
 
 
 def to_global(batch: dict, mesh, spec) -> dict:

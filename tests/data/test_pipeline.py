@@ -1,3 +1,4 @@
+import json
 import re
 
 import numpy as np
@@ -43,8 +44,9 @@ def test_process_shards_are_disjoint_and_cover():
 
 
 def test_inner_and_outer_documents_are_disjoint():
-    inner, outer = split_ids(len(DOCS), 5)
-    assert not set(inner) & set(outer) and len(inner) + len(outer) == len(DOCS)
+    inner, outer, test = split_ids(len(DOCS), 5)
+    assert not set(inner) & set(outer) and not (set(inner) | set(outer)) & set(test)
+    assert len(inner) + len(outer) + len(test) == len(DOCS) and len(test) == len(outer) == 8
     got_in = set().union(*(_doc_ids(b) for b, _ in zip(stream(DOCS, inner, TOK, seq_len=16, batch=4, seed=0), range(30))))
     got_out = set().union(*(_doc_ids(b) for b, _ in zip(stream(DOCS, outer, TOK, seq_len=16, batch=4, seed=1), range(30))))
     assert got_in == set(inner) and got_out == set(outer)
@@ -76,7 +78,7 @@ def test_exact_resume_of_both_streams():
     state = a.get_state()
     expected = [a.next() for _ in range(3)]
     b = Streams(cfg, 0, 1)  # a fresh iterator, as after a restart
-    b.set_state(state)
+    b.set_state(json.loads(json.dumps(state)))  # states travel as JSON (tuples come back as lists)
     for (ei, eo), (gi, go) in zip(expected, [b.next() for _ in range(3)]):
         assert ei["tokens"].shape == (2, 4, 33) and eo["tokens"].shape == (4, 33)
         for k in ei:
