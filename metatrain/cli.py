@@ -148,6 +148,63 @@ def cmd_data_bench(args) -> int:
     return 0
 
 
+def _train_config(args):
+    """Preset + overrides; when the work dir already holds a run, its saved config + these overrides."""
+    import os
+
+    from metatrain import config as config_lib
+
+    preset, overrides = "default", list(args.overrides)
+    if overrides and "=" not in overrides[0]:
+        preset, overrides = overrides[0], overrides[1:]
+    if args.baseline:
+        overrides.append(f"baseline={args.baseline}")
+    cfg = config_lib.load(preset, overrides)
+    saved = config_lib.workdir_config_path(cfg.workdir)
+    has_checkpoint = os.path.isdir(os.path.join(cfg.workdir, "checkpoints")) and any(
+        name.isdigit() for name in os.listdir(os.path.join(cfg.workdir, "checkpoints")))
+    if args.resume and not has_checkpoint:
+        raise config_lib.ConfigError(f"--resume: {cfg.workdir} has no checkpoint to resume from")
+    if has_checkpoint and os.path.exists(saved):
+        cfg = config_lib.load(saved, overrides)
+        print(f"resuming the run in {cfg.workdir} (its saved config, with your overrides)")
+    return cfg, has_checkpoint
+
+
+def cmd_train(args) -> int:
+    from metatrain import config as config_lib
+    from metatrain.plot import plot_run
+    from metatrain.trainer import Trainer
+
+    cfg, resume = _train_config(args)
+    trainer = Trainer(cfg)
+    if resume:
+        trainer.restore()
+    with open(config_lib.workdir_config_path(cfg.workdir), "w") as f:
+        f.write(config_lib.to_yaml(cfg))
+    print(f"meta-training {cfg.task} ({cfg.mode}) for {cfg.steps} outer steps in {cfg.workdir}, "
+          f"{trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} (data x fsdp) devices")
+    summary = trainer.train()
+    if trainer.is_main:
+        print(f"plot: {plot_run(cfg.workdir)}")
+        print(f"time: {summary['seconds']:.0f} s, skipped updates: {summary['skipped_updates']}")
+        auc = summary.get("corrupted_auc")
+        if auc is not None:
+            print(f"corrupted-example AUC: {auc:.3f}" if auc == auc else
+                  "corrupted-example AUC: n/a (the held-out sample has only one class; raise data.shuffle_window)")
+        if "baseline_validation_loss" in summary:
+            print(f"baseline validation loss: {summary['baseline_validation_loss']:.4f}")
+        print(f"validation loss: {summary['start_validation_loss']:.4f} -> {summary['end_validation_loss']:.4f}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from metatrain.plot import plot_run
+
+    print(f"wrote {plot_run(args.workdir, args.out)}")
+    return 0
+
+
 def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
@@ -159,6 +216,17 @@ def _add_data_args(p: argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metatrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="meta-training; no arguments: the built-in default job")
+    p.add_argument("overrides", nargs="*", help="[PRESET] key=value ... (presets: configs/*.yaml)")
+    p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
+    p.add_argument("--baseline", choices=["none", "uniform"], default=None,
+                   help="also train with η frozen at its start (uniform weights) on the same data")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("plot", help="PNG of a run's curves")
+    p.add_argument("workdir")
+    p.add_argument("--out", default=None)
+    p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("check-grads", help="meta-gradient of every mode/variant vs reverse-over-reverse and "
                                            "finite differences (float64); exit 1 past tolerance")
@@ -209,7 +277,7 @@ def main(argv=None) -> int:
 
     try:
         return args.fn(args)
-    except (TaskError, ValueError, RuntimeError) as e:
+    except (TaskError, ValueError, RuntimeError) as e:  # config, task and data errors; TrainingError
         print(f"metatrain {args.command}: error: {e}", file=sys.stderr)
         return 2
 

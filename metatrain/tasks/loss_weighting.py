@@ -25,12 +25,18 @@ class LossWeighting(Task):
     def init_meta(self, key: jax.Array) -> Pytree:
         return models.init(self.meta_model, key)[1]
 
-    def weights(self, meta: Pytree, batch: dict) -> jax.Array:
-        """α(η, x): [batch], positive, mean 1."""
+    def scores(self, meta: Pytree, batch: dict) -> jax.Array:
+        """The meta model's score per example: [batch]. Higher means more weight."""
         tokens = batch["tokens"][:, :-1]
         seg = batch.get("segment_ids")
-        scores = nnx.merge(self.meta_graphdef, meta)(tokens, None if seg is None else seg[:, :-1])  # [batch]
-        return tokens.shape[0] * jax.nn.softmax(scores.astype(models.transformer.compute_dtype(scores.dtype)))
+        pos = batch.get("positions")
+        return nnx.merge(self.meta_graphdef, meta)(
+            tokens, None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
+
+    def weights(self, meta: Pytree, batch: dict) -> jax.Array:
+        """α(η, x): [batch], positive, mean 1."""
+        scores = self.scores(meta, batch)
+        return scores.shape[0] * jax.nn.softmax(scores.astype(models.transformer.compute_dtype(scores.dtype)))
 
     def inner_loss(self, theta, meta, batch):
         losses = self.example_losses(theta, batch)

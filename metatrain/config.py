@@ -1,0 +1,124 @@
+"""Typed run configuration: dataclasses, YAML presets in `configs/`, dotted command-line overrides.
+
+`load(preset, overrides)` is the one place a run's configuration is read and validated. Everything
+goes through OmegaConf structured configs, so an unknown key or a wrong type is refused with the
+field's name; cross-field checks follow in `validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data.pipeline import DataConfig
+from metatrain.mixflow import MODES
+from models import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line naming the field and a fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaOptConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: all devices not used by the other axis
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    task: str = "loss_weighting"
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(
+        d_model=64, n_heads=4, d_ff=256, n_layers=2, remat=True))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    inner_lr: float = 1e-3
+    mode: str = "mixflow"
+    save_inner_grads: bool = True
+    meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    steps: int = 300
+    seed: int = 0
+    workdir: str = "runs/default"
+    baseline: str = "none"  # none | uniform: also train the inner model with uniform weights on the same data
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5  # stop after this many non-finite meta-gradients in a row
+
+
+def _check(cond: bool, field: str, message: str):
+    if not cond:
+        raise ConfigError(f"{field}: {message}")
+
+
+def validate(cfg: Config) -> Config:
+    _check(cfg.mode in MODES, "mode", f"{cfg.mode!r} is not one of {MODES}")
+    _check(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
+    _check(cfg.inner_lr > 0, "inner_lr", f"must be > 0, got {cfg.inner_lr}")
+    _check(cfg.meta_opt.schedule in ("constant", "cosine"), "meta_opt.schedule",
+           f"{cfg.meta_opt.schedule!r} is not constant or cosine")
+    _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
+    _check(cfg.eval_batches >= 1, "eval_batches", f"must be >= 1, got {cfg.eval_batches}")
+    for name in ("data", "fsdp"):
+        size = getattr(cfg.mesh, name)
+        _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
+    from metatrain.tasks import TaskError, task_class
+
+    try:
+        task_class(cfg.task)
+    except TaskError as e:
+        raise ConfigError(f"task: {e}") from None
+    return cfg
+
+
+def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults ← `configs/<preset>.yaml` (or a YAML path) ← `key=value` overrides; validated."""
+    try:
+        merged = OmegaConf.structured(Config)
+        if preset:
+            path = Path(preset) if preset.endswith((".yaml", ".yml")) else CONFIG_DIR / f"{preset}.yaml"
+            if not path.exists():
+                names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+                raise ConfigError(f"preset: no config {preset!r}; choose one of {names} or give a .yaml path")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+    except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str) -> Config:
+    return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))))
+
+
+def workdir_config_path(workdir: str) -> str:
+    return os.path.join(workdir, "config.yaml")

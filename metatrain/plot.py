@@ -1,0 +1,35 @@
+"""PNG of a run's curves from its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_run(workdir: str, out: str | None = None) -> str:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise ValueError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} is empty: nothing to plot yet")
+    steps = [r["step"] for r in rows]
+    fig, (ax_loss, ax_grad) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style in (("outer_loss", "-"), ("inner_loss", "--"), ("baseline_outer_loss", ":"),
+                       ("baseline_inner_loss", "-.")):
+        if key in rows[0]:
+            ax_loss.plot(steps, [r[key] for r in rows], style, label=key.replace("_", " "))
+    ax_loss.set(xlabel="outer step", ylabel="loss", title="losses")
+    ax_loss.legend()
+    ax_grad.plot(steps, [r["meta_grad_norm"] for r in rows])
+    ax_grad.set(xlabel="outer step", ylabel="norm", title="meta-gradient norm", yscale="log")
+    fig.tight_layout()
+    out = out or os.path.join(workdir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

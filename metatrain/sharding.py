@@ -1,0 +1,52 @@
+"""Device mesh and FSDP shardings from the models' logical axis names."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from metatrain.config import ConfigError, MeshConfig
+
+# Logical axis → mesh axis. FSDP shards every parameter (and its optimizer state) along `embed`,
+# which every weight matrix has; the rest is replicated. Batches are split over both mesh axes.
+RULES = {"embed": "fsdp"}
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    fsdp = n if cfg.fsdp == -1 else cfg.fsdp
+    data = n // fsdp if cfg.data == -1 else cfg.data
+    if cfg.fsdp == -1 and cfg.data != -1:
+        fsdp = n // data
+    if data * fsdp != n or data < 1 or fsdp < 1:
+        raise ConfigError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not divide the {n} devices; "
+                          f"set mesh.data=-1 or sizes whose product is {n}")
+    return jax.sharding.Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _mesh_spec(logical: P, shape, mesh) -> P:
+    axes = []
+    for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+        axis = RULES.get(name)
+        axes.append(axis if axis and size % mesh.shape[axis] == 0 else None)  # replicate what does not divide
+    return P(*axes)
+
+
+def tree_shardings(tree, mesh):
+    """NamedShardings for a pytree of nnx States / optax states / arrays (abstract or not)."""
+    specs = nnx.get_partition_spec(tree)
+    is_spec = lambda x: isinstance(x, P) or x is None
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [NamedSharding(mesh, _mesh_spec(s or P(), np.shape(x), mesh)) for s, x in zip(spec_leaves, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def batch_sharding(mesh, leading: int = 0) -> NamedSharding:
+    """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp."""
+    return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))

@@ -1,0 +1,228 @@
+"""The Trainer: the one object that owns state (mesh, sharded state, jitted outer step, meta-optimizer,
+data streams, logs and checkpoints).
+
+State is a dict pytree: `step`, `meta` (η), `meta_opt`, `inner` (θ, υ) carried between outer steps
+(None for tasks that restart from η), and with `baseline=uniform` a second inner state `base` trained on
+the same batches with η frozen at its initial value (for loss weighting: exactly uniform weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from data.pipeline import Streams, to_global
+from metatrain import config as config_lib
+from metatrain.config import Config
+from metatrain.sharding import batch_sharding, make_mesh, tree_shardings
+from metatrain.tasks import make_task, validate
+from metatrain.unroll import Unroll, meta_value_and_grad, outer_loss
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; the message says why and what is intact."""
+
+
+def meta_optimizer(cfg: Config) -> optax.GradientTransformation:
+    o = cfg.meta_opt
+    if o.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(0.0, o.lr, max(o.warmup_steps, 1), cfg.steps)
+    else:
+        lr = optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else o.lr
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(lr, weight_decay=o.weight_decay))
+
+
+def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """P(score of a positive > score of a negative), ties counted half (Mann-Whitney U)."""
+    pos, neg = scores[positive.astype(bool)], scores[~positive.astype(bool)]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (len(pos) * len(neg)))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, show_progress: bool = True):
+        self.cfg = cfg
+        self.is_main = jax.process_index() == 0
+        self.show_progress = show_progress and self.is_main
+        self.mesh = make_mesh(cfg.mesh)
+        n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if cfg.data.batch % n_batch_shards:
+            raise config_lib.ConfigError(f"data.batch: {cfg.data.batch} does not divide over the {n_batch_shards} "
+                                         f"data x fsdp devices; use a multiple of {n_batch_shards}")
+        self.streams = Streams(cfg.data)
+        model = cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size)  # the model follows the tokenizer
+        self.task = make_task(cfg.task, model=model, inner_lr=cfg.inner_lr, meta_model=model.replace(head="score"))
+        self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
+        self.meta_opt = meta_optimizer(cfg)
+
+        abstract = jax.eval_shape(self._init_state, jax.random.key(cfg.seed))
+        self.state_shardings = tree_shardings(abstract, self.mesh)
+        self.state = jax.jit(self._init_state, out_shardings=self.state_shardings)(jax.random.key(cfg.seed))
+        self._inner_sharding = batch_sharding(self.mesh, leading=1)
+        self._outer_sharding = batch_sharding(self.mesh)
+        self._step = jax.jit(self._outer_step, donate_argnums=0,
+                             out_shardings=(self.state_shardings, None))
+        self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean())
+
+        os.makedirs(cfg.workdir, exist_ok=True)
+        self.checkpoints = ocp.CheckpointManager(
+            os.path.abspath(os.path.join(cfg.workdir, "checkpoints")),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=True))
+        self._stop_requested = False
+
+    # ---- state and the outer step ------------------------------------------------------------
+    def _init_state(self, key):
+        k_meta, k_inner = jax.random.split(key)
+        meta = self.task.init_meta(k_meta)
+        inner = None if self.task.resets_inner else self.task.init_inner(k_inner, meta)
+        state = {"step": jnp.zeros((), jnp.int32), "meta": meta, "meta_opt": self.meta_opt.init(meta),
+                 "inner": inner}
+        if self.cfg.baseline == "uniform":
+            state["base"] = {"meta": meta, "inner": self.task.init_inner(k_inner, meta)}
+        return state
+
+    def _outer_step(self, state, batches, outer_batch):
+        (value, aux), grad = meta_value_and_grad(self.task, self.unroll)(
+            state["meta"], state["inner"], batches, outer_batch)
+        grad_norm = optax.global_norm(grad)
+        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        updates, meta_opt = self.meta_opt.update(grad, state["meta_opt"], state["meta"])
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # skip bad updates
+        new = {"step": state["step"] + 1,
+               "meta": keep(optax.apply_updates(state["meta"], updates), state["meta"]),
+               "meta_opt": keep(meta_opt, state["meta_opt"]),
+               "inner": None if self.task.resets_inner else keep(aux.inner, state["inner"])}
+        metrics = {"outer_loss": value, "inner_loss": aux.inner_losses.mean(), "meta_grad_norm": grad_norm,
+                   "finite": ok}
+        if "base" in state:
+            base_value, base_aux = outer_loss(self.task, self.unroll)(
+                state["base"]["meta"], state["base"]["inner"], batches, outer_batch)
+            new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
+            metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
+        return new, metrics
+
+    def _global_batches(self):
+        inner, outer = self.streams.next()
+        return to_global(inner, self.mesh, self._inner_sharding.spec), to_global(outer, self.mesh,
+                                                                                 self._outer_sharding.spec)
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _theta(self, which: str = "inner"):
+        part = self.state if which == "inner" else self.state["base"]
+        return part["meta"] if part["inner"] is None else part["inner"][0]
+
+    def validation_loss(self, which: str = "inner") -> float:
+        """Mean next-token loss of the inner model on held-out test documents (cfg.eval_batches batches).
+        For tasks that restart from η (MAML) the inner model is η itself."""
+        batches = self._test_batches()
+        return float(np.mean([self._eval_loss(self._theta(which), b) for b in batches]))
+
+    def _test_batches(self):
+        if not hasattr(self, "_test_cache"):
+            self._test_cache = [to_global(b, self.mesh, self._outer_sharding.spec)
+                                for b in self.streams.test_batches(self.cfg.eval_batches)]
+        return self._test_cache
+
+    def corrupted_auc(self, max_batches: int = 64) -> float | None:
+        """ROC AUC of the meta model's scores for clean (positive) vs corrupted test examples, over at least
+        `eval_batches` (and 8) held-out batches, more while one class is missing; NaN if it stays missing."""
+        if not hasattr(self.task, "scores") or self.cfg.data.corrupt_fraction <= 0:
+            return None
+        score = jax.jit(self.task.scores)
+        n = max(self.cfg.eval_batches, 8)
+        batches = self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777)
+        flags = [b["corrupted"] for b in batches]
+        while n < max_batches and len(np.unique(np.concatenate(flags[:n]))) < 2:
+            n += 1
+        scores = np.concatenate([np.asarray(score(self.state["meta"], b)) for b in batches[:n]])
+        return roc_auc(scores, 1 - np.concatenate(flags[:n]))
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self, force: bool = False):
+        step = int(self.state["step"])
+        self.checkpoints.save(step, force=force, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(self.state), **self.streams.save_args(),
+            config=ocp.args.JsonSave({"yaml": config_lib.to_yaml(self.cfg)})))
+
+    def restore(self) -> bool:
+        step = self.checkpoints.latest_step()
+        if step is None:
+            return False
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              self.state, self.state_shardings)
+        restored = self.checkpoints.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), **self.streams.restore_args()))
+        self.state = restored["state"]
+        return True
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _on_sigterm(self, *_):
+        self._stop_requested = True
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)  # every process saves, then stops
+        log = open(os.path.join(cfg.workdir, "metrics.jsonl"), "a") if self.is_main else None
+        start_step = int(self.state["step"])
+        summary = {"start_validation_loss": self.validation_loss()}
+        bad_in_a_row, skipped = 0, 0
+        bar = tqdm(total=cfg.steps, initial=start_step, desc="meta-train", disable=not self.show_progress,
+                   file=sys.stderr, dynamic_ncols=True)
+        t0 = time.perf_counter()
+        try:
+            for step in range(start_step, cfg.steps):
+                tic = time.perf_counter()
+                batches, outer_batch = self._global_batches()
+                self.state, metrics = self._step(self.state, batches, outer_batch)
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                metrics.update(step=step + 1, step_time=time.perf_counter() - tic)
+                metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
+                if metrics.pop("finite") < 1:
+                    bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
+                    tqdm.write(f"step {step + 1}: non-finite meta-gradient or loss, update skipped "
+                               f"({bad_in_a_row} in a row)", file=sys.stderr)
+                    if bad_in_a_row >= cfg.max_bad_steps:
+                        raise TrainingError(
+                            f"{bad_in_a_row} non-finite meta-gradients in a row at step {step + 1}; stopping. The "
+                            f"last good checkpoint in {cfg.workdir}/checkpoints is intact: lower meta_opt.lr or "
+                            f"inner_lr and resume")
+                else:
+                    bad_in_a_row = 0
+                metrics["skipped_updates"] = skipped
+                if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+                    log.write(json.dumps(metrics) + "\n")
+                    log.flush()
+                bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}")
+                bar.update(1)
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                    self.save()
+                if self._stop_requested:
+                    self.save(force=True)
+                    self.checkpoints.wait_until_finished()
+                    raise TrainingError(f"stopped by SIGTERM at step {step + 1}; checkpoint saved, "
+                                        "run again with --resume to continue")
+            self.save(force=True)
+            self.checkpoints.wait_until_finished()
+        finally:
+            bar.close()
+            if log:
+                log.close()
+            signal.signal(signal.SIGTERM, previous)
+        summary.update(end_validation_loss=self.validation_loss(), seconds=time.perf_counter() - t0,
+                       skipped_updates=skipped)
+        if "base" in self.state:
+            summary["baseline_validation_loss"] = self.validation_loss("base")
+        summary["corrupted_auc"] = self.corrupted_auc()
+        return summary

@@ -1,0 +1,139 @@
+"""The Trainer end to end on a tiny model: bad configs, exact resume after SIGKILL, 1 vs 8 devices, bad steps."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from metatrain import cli
+from metatrain.tasks import LossWeighting
+
+TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
+        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
+        "eval_batches=1", "log_every=1", "inner_lr=0.01"]
+
+
+def _train(workdir, *extra, devices=1, resume=False, background=False):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    cmd = [sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={workdir}", *extra]
+    if resume:
+        cmd.append("--resume")
+    if background:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def _checkpoints(workdir):
+    d = os.path.join(workdir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def _state(workdir, step):
+    """The saved state on this process's one device, whatever mesh wrote it."""
+    import jax
+
+    path = os.path.abspath(os.path.join(workdir, "checkpoints", str(step), "state"))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path).item_metadata.tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+        return ckptr.restore(path, target)
+
+
+def _leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_exact_resume_after_sigkill(tmp_path):
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    proc = _train(killed, "steps=1000", "checkpoint_every=3", background=True)
+    deadline = time.time() + 300
+    while not _checkpoints(killed):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    latest = _checkpoints(killed)[-1]
+    assert latest < 1000
+    target = latest + 3
+    out = _train(killed, f"steps={target}", resume=True)
+    assert "resuming the run" in out
+    _train(straight, f"steps={target}")
+    a, b = _state(killed, target), _state(straight, target)
+    for key in ("meta", "inner"):
+        for x, y in zip(_leaves(a[key]), _leaves(b[key])):
+            np.testing.assert_array_equal(x, y)  # bit-identical
+
+
+def test_one_device_and_eight_devices_agree(tmp_path):
+    one, eight = tmp_path / "one", tmp_path / "eight"
+    _train(one, "steps=3", "checkpoint_every=0")
+    out = _train(eight, "steps=3", "checkpoint_every=0", "mesh.fsdp=2", devices=8)
+    assert "4x2 (data x fsdp) devices" in out
+    a, b = _state(one, 3), _state(eight, 3)
+    for key in ("meta", "inner"):  # max |a - b| / max |a| over all parameters, as check-grads measures
+        x, y = (np.concatenate([v.ravel() for v in _leaves(s[key])]) for s in (a, b))
+        assert np.abs(x - y).max() / np.abs(x).max() <= 1e-5
+
+
+def test_main_job_lines(tmp_path):
+    out = _train(tmp_path / "run", "steps=4", "baseline=uniform")
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("validation loss: ") and " -> " in lines[-1]
+    assert any(line.startswith("baseline validation loss: ") for line in lines)
+    auc = float(next(line for line in lines if line.startswith("corrupted-example AUC: ")).split(": ")[1])
+    assert 0.0 <= auc <= 1.0
+    assert os.path.exists(tmp_path / "run" / "curves.png") and os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+class NaNOuterLoss(LossWeighting):
+    def outer_loss(self, theta, meta, batch):
+        return super().outer_loss(theta, meta, batch) * jnp.nan
+
+
+def test_non_finite_meta_gradients_are_skipped_then_stop(tmp_path, capsys):
+    workdir = tmp_path / "nan"
+    code = cli.main(["train", *TINY, f"task={__name__}:NaNOuterLoss", f"workdir={workdir}", "steps=10",
+                     "max_bad_steps=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "3 non-finite meta-gradients in a row at step 3" in err and "last good checkpoint" in err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dmodel=3", "model.dmodel: Key 'dmodel' not in 'ModelConfig'"),
+    ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("mesh.data=3", "mesh: data=3 x fsdp=1 does not divide the 1 devices"),
+    ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
+    ("mode=fast", "mode: 'fast' is not one of"),
+    ("data.seq_len=0", "data.seq_len must be > 0"),
+])
+def test_bad_configs_are_one_line_errors(tmp_path, capsys, override, message):
+    assert cli.main(["train", *TINY, f"workdir={tmp_path}", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_batch_must_divide_the_data_axis(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={tmp_path}",
+                          "data.batch=6"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "data.batch: 6 does not divide over the 4 data x fsdp devices" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_resume_needs_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["train", *TINY, f"workdir={tmp_path}", "--resume"]) == 2
+    assert "has no checkpoint to resume from" in capsys.readouterr().err
