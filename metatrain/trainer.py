@@ -96,7 +96,7 @@ class Trainer:
     def _outer_step(self, state, batches, outer_batch):
         (value, aux), grad = meta_value_and_grad(self.task, self.unroll)(
             state["meta"], state["inner"], batches, outer_batch)
-        grad_norm = optax.global_norm(grad)
+        grad_norm = optax.tree.norm(grad)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         updates, meta_opt = self.meta_opt.update(grad, state["meta_opt"], state["meta"])
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # skip bad updates
