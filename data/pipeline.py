@@ -190,9 +190,8 @@ class Streams:
                 "outer_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.outer))}
 
 
-def to_global(batch: dict, mesh, spec) -> dict:
-    """Per-process numpy batch → global `jax.Array`s sharded by `spec` (batch axis) over `mesh`."""
+def to_global(batch: dict, sharding) -> dict:
+    """Per-process numpy batch → global `jax.Array`s with `sharding` (a NamedSharding over the batch axis)."""
     import jax
 
-    sharding = jax.sharding.NamedSharding(mesh, spec)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

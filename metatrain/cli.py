@@ -113,7 +113,6 @@ def cmd_data_build(args) -> int:
 
 
 def cmd_data_stats(args) -> int:
-    from data.corpus import read_text
     from data.pipeline import document_source
     from data.tokenizer import load_tokenizer
 
@@ -161,8 +160,8 @@ def _train_config(args):
         overrides.append(f"baseline={args.baseline}")
     cfg = config_lib.load(preset, overrides)
     saved = config_lib.workdir_config_path(cfg.workdir)
-    has_checkpoint = os.path.isdir(os.path.join(cfg.workdir, "checkpoints")) and any(
-        name.isdigit() for name in os.listdir(os.path.join(cfg.workdir, "checkpoints")))
+    checkpoints = config_lib.checkpoint_dir(cfg.workdir)
+    has_checkpoint = os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints))
     if args.resume and not has_checkpoint:
         raise config_lib.ConfigError(f"--resume: {cfg.workdir} has no checkpoint to resume from")
     if has_checkpoint and os.path.exists(saved):

@@ -102,12 +102,12 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(str(e).splitlines()[0]) from None
     return validate(cfg)
 
@@ -116,9 +116,9 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def from_yaml(text: str) -> Config:
-    return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))))
-
-
 def workdir_config_path(workdir: str) -> str:
     return os.path.join(workdir, "config.yaml")
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, "checkpoints"))

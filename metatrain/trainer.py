@@ -78,7 +78,7 @@ class Trainer:
 
         os.makedirs(cfg.workdir, exist_ok=True)
         self.checkpoints = ocp.CheckpointManager(
-            os.path.abspath(os.path.join(cfg.workdir, "checkpoints")),
+            config_lib.checkpoint_dir(cfg.workdir),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=True))
         self._stop_requested = False
 
@@ -115,8 +115,7 @@ class Trainer:
 
     def _global_batches(self):
         inner, outer = self.streams.next()
-        return to_global(inner, self.mesh, self._inner_sharding.spec), to_global(outer, self.mesh,
-                                                                                 self._outer_sharding.spec)
+        return to_global(inner, self._inner_sharding), to_global(outer, self._outer_sharding)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _theta(self, which: str = "inner"):
@@ -131,7 +130,7 @@ class Trainer:
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
-            self._test_cache = [to_global(b, self.mesh, self._outer_sharding.spec)
+            self._test_cache = [to_global(b, self._outer_sharding)
                                 for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 

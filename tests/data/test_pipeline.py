@@ -143,7 +143,7 @@ def test_global_arrays_over_simulated_devices():
         "from jax.sharding import PartitionSpec as P\n"
         "from data.pipeline import to_global\n"
         "mesh = jax.make_mesh((4,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))\n"
-        "g = to_global({'tokens': np.arange(8 * 5).reshape(8, 5)}, mesh, P('data'))['tokens']\n"
+        "g = to_global({'tokens': np.arange(8 * 5).reshape(8, 5)}, jax.sharding.NamedSharding(mesh, P('data')))['tokens']\n"
         "assert g.shape == (8, 5) and len(g.sharding.device_set) == 4\n"
         "assert [s.data.shape for s in g.addressable_shards] == [(2, 5)] * 4\n"
         "np.testing.assert_array_equal(np.asarray(g), np.arange(40).reshape(8, 5))\n"
