@@ -153,10 +153,10 @@ def _train_config(args):
 
     from metatrain import config as config_lib
 
-    preset, overrides = "default", list(args.overrides)
+    preset, overrides = args.command if args.command == "pretrain" else "default", list(args.overrides)
     if overrides and "=" not in overrides[0]:
         preset, overrides = overrides[0], overrides[1:]
-    if args.baseline:
+    if getattr(args, "baseline", None):
         overrides.append(f"baseline={args.baseline}")
     cfg = config_lib.load(preset, overrides)
     saved = config_lib.workdir_config_path(cfg.workdir)
@@ -171,18 +171,28 @@ def _train_config(args):
 
 
 def cmd_train(args) -> int:
+    """`train` and `pretrain`: the same loop, with or without a meta level."""
     from metatrain import config as config_lib
     from metatrain.plot import plot_run
-    from metatrain.trainer import Trainer
 
     cfg, resume = _train_config(args)
-    trainer = Trainer(cfg)
+    if args.command == "pretrain":
+        from metatrain.pretrain import Pretrainer
+
+        trainer = Pretrainer(cfg)
+        what = f"pretraining for {cfg.steps} steps of {cfg.data.inner_steps} batches"
+    else:
+        from metatrain.trainer import Trainer
+
+        trainer = Trainer(cfg)
+        what = f"meta-training {cfg.task} ({cfg.mode}) for {cfg.steps} outer steps"
     if resume:
         trainer.restore()
-    with open(config_lib.workdir_config_path(cfg.workdir), "w") as f:
-        f.write(config_lib.to_yaml(cfg))
-    print(f"meta-training {cfg.task} ({cfg.mode}) for {cfg.steps} outer steps in {cfg.workdir}, "
-          f"{trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} (data x fsdp) devices")
+    if trainer.is_main:
+        with open(config_lib.workdir_config_path(cfg.workdir), "w") as f:
+            f.write(config_lib.to_yaml(cfg))
+        print(f"{what} in {cfg.workdir}, {trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} "
+              f"(data x fsdp) devices" + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
     summary = trainer.train()
     if trainer.is_main:
         print(f"plot: {plot_run(cfg.workdir)}")
@@ -194,6 +204,13 @@ def cmd_train(args) -> int:
         if "baseline_validation_loss" in summary:
             print(f"baseline validation loss: {summary['baseline_validation_loss']:.4f}")
         print(f"validation loss: {summary['start_validation_loss']:.4f} -> {summary['end_validation_loss']:.4f}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from metatrain.export import export
+
+    print(f"wrote {export(args.workdir, args.out)}")
     return 0
 
 
@@ -222,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=["none", "uniform"], default=None,
                    help="also train with η frozen at its start (uniform weights) on the same data")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("pretrain", help="plain next-token training with the same stack (a base model)")
+    p.add_argument("overrides", nargs="*", help="[PRESET] key=value ... (default preset: configs/pretrain.yaml)")
+    p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("export", help="a run's meta-parameters alone (pretrain runs: the parameters)")
+    p.add_argument("workdir")
+    p.add_argument("--out", default=None, help="output dir (default WORKDIR/export)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("plot", help="PNG of a run's curves")
     p.add_argument("workdir")
     p.add_argument("--out", default=None)

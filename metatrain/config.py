@@ -32,6 +32,7 @@ class MetaOptConfig:
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | cosine
     clip_norm: float = 1.0
+    eps: float = 1e-8  # Adam's denominator floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +42,18 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InnerConfig:
+    init_from: str = ""  # a `metatrain pretrain` work dir or an export dir: the inner model starts there
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     task: str = "loss_weighting"
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(
         d_model=64, n_heads=4, d_ff=256, n_layers=2, remat=True))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     inner_lr: float = 1e-3
+    inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     mode: str = "mixflow"
     save_inner_grads: bool = True
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
@@ -75,6 +82,9 @@ def validate(cfg: Config) -> Config:
            f"{cfg.meta_opt.schedule!r} is not constant or cosine")
     _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
     _check(cfg.eval_batches >= 1, "eval_batches", f"must be >= 1, got {cfg.eval_batches}")
+    init_from = cfg.inner.init_from
+    _check(not init_from or os.path.isdir(init_from), "inner.init_from",
+           f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir or a `metatrain export` dir")
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")

@@ -26,8 +26,9 @@ def plot_run(workdir: str, out: str | None = None) -> str:
             ax_loss.plot(steps, [r[key] for r in rows], style, label=key.replace("_", " "))
     ax_loss.set(xlabel="outer step", ylabel="loss", title="losses")
     ax_loss.legend()
-    ax_grad.plot(steps, [r["meta_grad_norm"] for r in rows])
-    ax_grad.set(xlabel="outer step", ylabel="norm", title="meta-gradient norm", yscale="log")
+    norm = "meta_grad_norm" if "meta_grad_norm" in rows[0] else "grad_norm"  # pretrain runs: no meta level
+    ax_grad.plot(steps, [r[norm] for r in rows])
+    ax_grad.set(xlabel="step", ylabel="norm", title=norm.replace("_", " "), yscale="log")
     fig.tight_layout()
     out = out or os.path.join(workdir, "curves.png")
     fig.savefig(out, dpi=100)

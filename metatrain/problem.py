@@ -69,7 +69,7 @@ class Shapes:
 def build_task(task: str, model: ModelConfig, remat: bool, inner_lr: float = 1e-2) -> Task:
     """The task with block remat set on the inner model and on its meta model alike."""
     return make_task(task, model=model.replace(remat=remat), inner_lr=inner_lr,
-                     meta_model=model.replace(remat=remat, head="score"))
+                     meta_model=model.replace(remat=remat))
 
 
 def abstract_state(task: Task):

@@ -39,7 +39,36 @@ def meta_optimizer(cfg: Config) -> optax.GradientTransformation:
         lr = optax.warmup_cosine_decay_schedule(0.0, o.lr, max(o.warmup_steps, 1), cfg.steps)
     else:
         lr = optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else o.lr
-    return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(lr, weight_decay=o.weight_decay))
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(lr, eps=o.eps, weight_decay=o.weight_decay))
+
+
+def progress_bar(total: int, initial: int, desc: str, disable: bool) -> tqdm:
+    """A tqdm bar on stderr; where stderr is not a terminal (a log file) it writes a line every 30 s."""
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 30.0, ascii=not tty)
+
+
+class MetricsLog:
+    """Metrics as JSON lines (`metrics.jsonl`) and TensorBoard event files (`tensorboard/`) in the work dir."""
+
+    def __init__(self, workdir: str):
+        from tensorboardX import SummaryWriter
+
+        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, metrics: dict):
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        self.jsonl.flush()
+        for k, v in metrics.items():
+            if k != "step":
+                self.tb.add_scalar(k, v, metrics["step"])
+        self.tb.flush()
+
+    def close(self):
+        self.jsonl.close()
+        self.tb.close()
 
 
 def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
@@ -52,6 +81,8 @@ def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
 
 
 class Trainer:
+    kind = "meta-train"
+
     def __init__(self, cfg: Config, *, show_progress: bool = True):
         self.cfg = cfg
         self.is_main = jax.process_index() == 0
@@ -63,13 +94,15 @@ class Trainer:
                                          f"data x fsdp devices; use a multiple of {n_batch_shards}")
         self.streams = Streams(cfg.data)
         model = cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size)  # the model follows the tokenizer
-        self.task = make_task(cfg.task, model=model, inner_lr=cfg.inner_lr, meta_model=model.replace(head="score"))
+        self.task = self._make_task(model)
         self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
         self.meta_opt = meta_optimizer(cfg)
 
         abstract = jax.eval_shape(self._init_state, jax.random.key(cfg.seed))
         self.state_shardings = tree_shardings(abstract, self.mesh)
         self.state = jax.jit(self._init_state, out_shardings=self.state_shardings)(jax.random.key(cfg.seed))
+        if cfg.inner.init_from:
+            self.state = self._start_from(cfg.inner.init_from)
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         self._step = jax.jit(self._outer_step, donate_argnums=0,
@@ -83,6 +116,33 @@ class Trainer:
         self._stop_requested = False
 
     # ---- state and the outer step ------------------------------------------------------------
+    def _make_task(self, model):
+        return make_task(self.cfg.task, model=model, inner_lr=self.cfg.inner_lr)
+
+    def _start_from(self, path: str):
+        """The inner model (η for tasks that restart from it) from pretrained parameters at `path`."""
+        from metatrain.export import load_params
+
+        which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              which(self.state), which(self.state_shardings))
+        try:
+            params = load_params(path, target)
+        except ValueError as e:
+            why = str(e).splitlines()[0].split(". ")[0]
+            raise config_lib.ConfigError(
+                f"inner.init_from: {path} does not hold parameters of this run's model ({why}); "
+                f"pretrain with the same model.* and data.vocab_size settings") from None
+
+        def place(state, params):
+            meta, inner = self.task.start_from(params, state["meta"], state["inner"])
+            new = dict(state, meta=meta, inner=inner, meta_opt=self.meta_opt.init(meta))
+            if "base" in state:
+                new["base"] = {"meta": meta, "inner": self.task.start_from(params, meta, state["base"]["inner"])[1]}
+            return new
+
+        return jax.jit(place, donate_argnums=0, out_shardings=self.state_shardings)(self.state, params)
+
     def _init_state(self, key):
         k_meta, k_inner = jax.random.split(key)
         meta = self.task.init_meta(k_meta)
@@ -173,12 +233,11 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)  # every process saves, then stops
-        log = open(os.path.join(cfg.workdir, "metrics.jsonl"), "a") if self.is_main else None
+        log = MetricsLog(cfg.workdir) if self.is_main else None
         start_step = int(self.state["step"])
         summary = {"start_validation_loss": self.validation_loss()}
         bad_in_a_row, skipped = 0, 0
-        bar = tqdm(total=cfg.steps, initial=start_step, desc="meta-train", disable=not self.show_progress,
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(cfg.steps, start_step, self.kind, disable=not self.show_progress)
         t0 = time.perf_counter()
         try:
             for step in range(start_step, cfg.steps):
@@ -190,20 +249,20 @@ class Trainer:
                 metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
                 if metrics.pop("finite") < 1:
                     bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
-                    tqdm.write(f"step {step + 1}: non-finite meta-gradient or loss, update skipped "
+                    tqdm.write(f"step {step + 1}: non-finite gradient or loss, update skipped "
                                f"({bad_in_a_row} in a row)", file=sys.stderr)
                     if bad_in_a_row >= cfg.max_bad_steps:
                         raise TrainingError(
-                            f"{bad_in_a_row} non-finite meta-gradients in a row at step {step + 1}; stopping. The "
+                            f"{bad_in_a_row} non-finite gradients or losses in a row at step {step + 1}; stopping. The "
                             f"last good checkpoint in {cfg.workdir}/checkpoints is intact: lower meta_opt.lr or "
                             f"inner_lr and resume")
                 else:
                     bad_in_a_row = 0
                 metrics["skipped_updates"] = skipped
                 if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-                    log.write(json.dumps(metrics) + "\n")
-                    log.flush()
-                bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}")
+                    log.write(metrics)
+                bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
+                                refresh=False)
                 bar.update(1)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                     self.save()

@@ -51,7 +51,7 @@ class Task:
 
     def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None):
         self.model = model
-        self.meta_model = meta_model or model.replace(head="score")
+        self.meta_model = meta_model or model
         self.inner_lr = inner_lr
         self.graphdef, _ = models.abstract_init(model)
         self.inner_opt = optax.adam(inner_lr, eps_root=1e-8)
@@ -76,6 +76,13 @@ class Task:
 
     def outer_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
         return self.example_losses(theta, batch).mean()
+
+    def start_from(self, params: Pytree, meta: Pytree, inner) -> tuple[Pytree, tuple[Pytree, Pytree] | None]:
+        """Put pretrained inner-model parameters in place (`inner.init_from`): tasks that restart from η
+        (MAML) take them as η, the others as θ with a fresh inner optimiser state. Returns (meta, inner)."""
+        if self.resets_inner:
+            return params, inner
+        return meta, (params, self.inner_opt.init(params))
 
     # ---- helpers ---------------------------------------------------------------------------
     @property

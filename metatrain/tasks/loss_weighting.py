@@ -1,8 +1,16 @@
 """Learned per-example loss weighting (after Hu et al., 2023).
 
-η are the parameters of a meta model with the inner model's architecture and a scalar head. Its
-scores give weights α(η, x) = batch · softmax(scores) (mean 1, so the inner step size is kept), and
-the inner loss is mean(α · NTP). The inner state carries over between outer steps.
+η = (a meta language model with the inner model's architecture, a log-temperature τ). An example's
+score is exp(τ) · (its mean next-token log-likelihood under the meta model), and the weights are
+α(η, x) = batch · softmax(scores) (mean 1, so the inner step size is kept). The inner loss is
+mean(α · NTP); the inner state carries over between outer steps.
+
+Why a likelihood readout rather than a pooled scalar head: the meta-gradient tells the meta model to
+make helpful examples more likely and harmful ones less, a dense per-token signal, and next-token
+logits see token order from the first step (bigrams through the tied embedding), where a pooled
+head must first grow attention features. In the main job (shuffled documents) this is the
+difference between an AUC of ~0.6 and ~0.97 in 300 steps. With η at its random start the scores
+are nearly equal, so training starts from almost uniform weights.
 """
 
 from __future__ import annotations
@@ -23,20 +31,20 @@ class LossWeighting(Task):
         self.meta_graphdef, _ = models.abstract_init(self.meta_model)
 
     def init_meta(self, key: jax.Array) -> Pytree:
-        return models.init(self.meta_model, key)[1]
+        return {"lm": models.init(self.meta_model, key)[1], "log_temperature": jnp.zeros((), jnp.float32)}
 
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
-        """The meta model's score per example: [batch]. Higher means more weight."""
-        tokens = batch["tokens"][:, :-1]
-        seg = batch.get("segment_ids")
-        pos = batch.get("positions")
-        return nnx.merge(self.meta_graphdef, meta)(
-            tokens, None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
+        """exp(τ) · mean log-likelihood of each example under the meta model: [batch]. Higher → more weight."""
+        tokens, seg, pos = batch["tokens"], batch.get("segment_ids"), batch.get("positions")
+        logits = nnx.merge(self.meta_graphdef, meta["lm"])(
+            tokens[:, :-1], None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
+        nll = models.next_token_loss(logits, tokens[:, 1:], None if seg is None else seg[:, 1:])  # [batch]
+        return -jnp.exp(meta["log_temperature"]).astype(nll.dtype) * nll
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:
         """α(η, x): [batch], positive, mean 1."""
         scores = self.scores(meta, batch)
-        return scores.shape[0] * jax.nn.softmax(scores.astype(models.transformer.compute_dtype(scores.dtype)))
+        return scores.shape[0] * jax.nn.softmax(scores)
 
     def inner_loss(self, theta, meta, batch):
         losses = self.example_losses(theta, batch)

@@ -1,0 +1,66 @@
+"""Joining a multi-host job: every process runs the same program and JAX's multi-controller runtime
+connects them. Call `initialize` before anything touches a device.
+
+- explicit: `--coordinator HOST:PORT --num-processes N --process-id I` (or the environment variables
+  METATRAIN_COORDINATOR, METATRAIN_NUM_PROCESSES, METATRAIN_PROCESS_ID, which the local launcher sets);
+- detected: on a TPU VM slice or under SLURM, `jax.distributed.initialize()` finds its peers itself;
+- otherwise (a plain single process) nothing is done.
+
+A process that stops sending heartbeats for `heartbeat_timeout` seconds is declared dead by the
+coordinator and the others are stopped with an error, so a crash never leaves a job hanging.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = {"coordinator": "METATRAIN_COORDINATOR", "num_processes": "METATRAIN_NUM_PROCESSES",
+       "process_id": "METATRAIN_PROCESS_ID"}
+
+
+def _detected() -> str | None:
+    """The cluster JAX can join on its own, if this process runs inside one."""
+    if os.environ.get("TPU_WORKER_HOSTNAMES") and "," in os.environ["TPU_WORKER_HOSTNAMES"]:
+        return "a TPU VM slice"
+    if os.environ.get("TPU_ACCELERATOR_TYPE") and os.environ.get("TPU_WORKER_ID"):
+        return "a TPU VM"
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return "SLURM"
+    return None
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               heartbeat_timeout: int = 60, timeout: int = 300) -> str:
+    """Join the job this process belongs to; returns a line saying what was done."""
+    import jax
+
+    coordinator = coordinator or os.environ.get(ENV["coordinator"])
+    num_processes = num_processes if num_processes is not None else _env_int("num_processes")
+    process_id = process_id if process_id is not None else _env_int("process_id")
+    given = [coordinator is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("a multi-process start needs all of --coordinator HOST:PORT, --num-processes N and "
+                         "--process-id I (or METATRAIN_COORDINATOR, METATRAIN_NUM_PROCESSES, METATRAIN_PROCESS_ID)")
+    if all(given):
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id {process_id} is not in [0, {num_processes})")
+        if num_processes == 1:
+            return "single process"
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout,
+                                   heartbeat_timeout_seconds=heartbeat_timeout)
+        return f"process {process_id} of {num_processes} (coordinator {coordinator})"
+    where = _detected()
+    if where is None:
+        return "single process"
+    jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout)
+    return f"process {jax.process_index()} of {jax.process_count()} ({where})"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(ENV[name])
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{ENV[name]}={value!r} is not an integer") from None
