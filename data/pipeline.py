@@ -4,6 +4,10 @@ documents → [this process's shard] → shuffle(seed), repeat → tokenize (+ e
 corrupt a fraction of inner documents) → concatenate-then-split into rows of seq_len+1 (with segment
 ids and positions, so attention never crosses documents) → batch. The inner stream yields
 `[T, batch, seq_len+1]` per outer step, the outer stream `[batch, seq_len+1]` (batch = per process).
+
+The documents are split into `data.shards` logical shards (default: one per process), each with its
+own pipeline; a process reads a contiguous run of them and the global batch is the shards' rows in
+shard order. With `data.shards` fixed, 1 process and N processes see exactly the same global batches.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ class DataConfig:
     shuffle_window: int = 2048  # packed rows are shuffled within windows of this many rows
     corrupt_fraction: float = 0.0  # of inner documents: tokens shuffled within the document
     seed: int = 0
+    shards: int = 0  # logical data shards; 0 = one per process. Fix it to make batches independent of hosts
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "inner_steps", "shuffle_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
+        if self.shards < 0:
+            raise ValueError(f"data.shards must be >= 0 (0 = one per process), got {self.shards}")
         if self.outer_every < 2:
             raise ValueError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
@@ -124,68 +131,86 @@ def _json_safe_state(state):
 
 
 class _Checkpointable:
-    """What `grain.checkpoint` handlers save and restore: the iterator's state as JSON bytes."""
+    """What `grain.checkpoint` handlers save and restore: this process's iterators' states as JSON bytes."""
 
-    def __init__(self, iterator):
-        self.iterator = iterator
+    def __init__(self, iterators):
+        self.iterators = iterators
 
     def get_state(self) -> bytes:
-        return json.dumps(self.iterator.get_state()).encode()
+        return json.dumps([it.get_state() for it in self.iterators]).encode()
 
     def set_state(self, state: bytes) -> None:
-        self.iterator.set_state(_json_safe_state(json.loads(state)))
+        states = json.loads(state)
+        if len(states) != len(self.iterators):
+            raise ValueError(f"the checkpoint holds {len(states)} data shard(s) for this process, the run has "
+                             f"{len(self.iterators)}: resume with the data.shards and process count it was saved with")
+        for it, st in zip(self.iterators, states):
+            it.set_state(_json_safe_state(st))
 
     def start_prefetch(self) -> None:
         pass
 
 
+def _concat(batches: list[dict], axis: int) -> dict:
+    if len(batches) == 1:
+        return batches[0]
+    return {k: np.concatenate([b[k] for b in batches], axis) for k in batches[0]}
+
+
 class Streams:
-    """The inner and outer streams of one process, with checkpointable state."""
+    """The inner and outer streams of one process (its run of logical shards), with checkpointable state."""
 
     def __init__(self, cfg: DataConfig, process_index: int | None = None, process_count: int | None = None):
         if process_index is None or process_count is None:
             shard = grain.sharding.ShardByJaxProcess()  # this process's place in a multi-host job
             process_index, process_count = shard.shard_index, shard.shard_count
-        if cfg.batch % process_count:
-            raise ValueError(f"data.batch={cfg.batch} is not divisible by the {process_count} processes; "
+        n_shards = cfg.shards or process_count
+        if n_shards % process_count:
+            raise ValueError(f"data.shards={n_shards} does not split over {process_count} processes; "
                              f"use a multiple of {process_count}")
+        if cfg.batch % n_shards:
+            raise ValueError(f"data.batch={cfg.batch} is not divisible by the {n_shards} data shards (one per "
+                             f"process unless data.shards is set); use a multiple of {n_shards}")
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
         docs = document_source(cfg)
         inner_ids, outer_ids, self.test_ids = split_ids(len(docs), cfg.outer_every)
-        common = dict(seq_len=cfg.seq_len, batch=cfg.batch // process_count, process_index=process_index,
-                      process_count=process_count, shuffle_window=cfg.shuffle_window)
-        self._docs, self._common = docs, common
-        if min(len(inner_ids), len(outer_ids), len(self.test_ids)) < process_count:
-            raise ValueError(f"too few documents ({len(docs)}) to give each of {process_count} processes one")
-        self.inner = iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed,
-                                 corrupt_fraction=cfg.corrupt_fraction, **common).batch(cfg.inner_steps))
-        self.outer = iter(stream(docs, outer_ids, self.tokenizer, seed=cfg.seed + 1, **common))
+        if min(len(inner_ids), len(outer_ids), len(self.test_ids)) < n_shards:
+            raise ValueError(f"too few documents ({len(docs)}) to give each of {n_shards} data shards one")
+        per = n_shards // process_count
+        self._shards = range(process_index * per, (process_index + 1) * per)
+        self._docs = docs
+        self._common = dict(seq_len=cfg.seq_len, batch=cfg.batch // n_shards, process_count=n_shards,
+                            shuffle_window=cfg.shuffle_window)
+        self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
+                                  process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
+        self.outer = [iter(stream(docs, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,
+                                  **self._common)) for k in self._shards]
 
     def next(self) -> tuple[dict, dict]:
         """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step."""
-        return next(self.inner), next(self.outer)
+        return _concat([next(it) for it in self.inner], 1), _concat([next(it) for it in self.outer], 0)
 
     def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345) -> list[dict]:
         """`n` batches [batch, seq+1] of held-out test documents (never in either stream), the same every call."""
-        it = iter(stream(self._docs, self.test_ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
-                         **self._common))
-        return [next(it) for _ in range(n)]
+        its = [iter(stream(self._docs, self.test_ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
+                           process_index=k, **self._common)) for k in self._shards]
+        return [_concat([next(it) for it in its], 0) for _ in range(n)]
 
     def get_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.get_state(), "outer": self.outer.get_state()}
+        return {"inner": [it.get_state() for it in self.inner], "outer": [it.get_state() for it in self.outer]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.inner.set_state(_json_safe_state(state["inner"]))
-        self.outer.set_state(_json_safe_state(state["outer"]))
+        for name in ("inner", "outer"):
+            _Checkpointable(getattr(self, name)).set_state(json.dumps(state[name]).encode())
 
     def save_args(self) -> dict:
-        """Orbax composite-args entries that save both iterators (one JSON file per process)."""
+        """Orbax composite-args entries that save both streams (one JSON file per process)."""
         return {"inner_data": grain.checkpoint.CheckpointSave(_Checkpointable(self.inner)),
                 "outer_data": grain.checkpoint.CheckpointSave(_Checkpointable(self.outer))}
 
     def restore_args(self) -> dict:
-        """Orbax composite-args entries that restore both iterators in place."""
+        """Orbax composite-args entries that restore both streams in place."""
         return {"inner_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.inner)),
                 "outer_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.outer))}
 

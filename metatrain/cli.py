@@ -175,6 +175,9 @@ def cmd_train(args) -> int:
     from metatrain import config as config_lib
     from metatrain.plot import plot_run
 
+    from metatrain import distributed
+
+    joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
     cfg, resume = _train_config(args)
     if args.command == "pretrain":
         from metatrain.pretrain import Pretrainer
@@ -192,7 +195,8 @@ def cmd_train(args) -> int:
         with open(config_lib.workdir_config_path(cfg.workdir), "w") as f:
             f.write(config_lib.to_yaml(cfg))
         print(f"{what} in {cfg.workdir}, {trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} "
-              f"(data x fsdp) devices" + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
+              f"(data x fsdp) devices, {joined}"
+              + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
     summary = trainer.train()
     if trainer.is_main:
         print(f"plot: {plot_run(cfg.workdir)}")
@@ -221,6 +225,15 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _add_distributed_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("multi-host", "explicit multi-process start (TPU VM slices and SLURM are detected)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (env METATRAIN_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, default=None, help="env METATRAIN_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="env METATRAIN_PROCESS_ID")
+    g.add_argument("--heartbeat-timeout", type=int, default=60,
+                   help="seconds without heartbeats after which a process counts as dead and the job stops")
+
+
 def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
@@ -238,10 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     p.add_argument("--baseline", choices=["none", "uniform"], default=None,
                    help="also train with η frozen at its start (uniform weights) on the same data")
+    _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("pretrain", help="plain next-token training with the same stack (a base model)")
     p.add_argument("overrides", nargs="*", help="[PRESET] key=value ... (default preset: configs/pretrain.yaml)")
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
+    _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("export", help="a run's meta-parameters alone (pretrain runs: the parameters)")
     p.add_argument("workdir")

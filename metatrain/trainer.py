@@ -25,7 +25,7 @@ from data.pipeline import Streams, to_global
 from metatrain import config as config_lib
 from metatrain.config import Config
 from metatrain.sharding import batch_sharding, make_mesh, tree_shardings
-from metatrain.tasks import make_task, validate
+from metatrain.tasks import make_task
 from metatrain.unroll import Unroll, meta_value_and_grad, outer_loss
 
 
@@ -105,9 +105,11 @@ class Trainer:
             self.state = self._start_from(cfg.inner.init_from)
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
-        self._step = jax.jit(self._outer_step, donate_argnums=0,
-                             out_shardings=(self.state_shardings, None))
-        self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean())
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
+        self._step = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
+        self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
+                                  out_shardings=replicated)
+        self._replicated = replicated
 
         os.makedirs(cfg.workdir, exist_ok=True)
         self.checkpoints = ocp.CheckpointManager(
@@ -199,14 +201,17 @@ class Trainer:
         `eval_batches` (and 8) held-out batches, more while one class is missing; NaN if it stays missing."""
         if not hasattr(self.task, "scores") or self.cfg.data.corrupt_fraction <= 0:
             return None
-        score = jax.jit(self.task.scores)
+        # scores and flags of the global batch, gathered onto every host
+        score = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"]), out_shardings=self._replicated)
         n = max(self.cfg.eval_batches, 8)
-        batches = self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777)
-        flags = [b["corrupted"] for b in batches]
-        while n < max_batches and len(np.unique(np.concatenate(flags[:n]))) < 2:
+        batches = [to_global(b, self._outer_sharding) for b in
+                   self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777)]
+        results = [jax.device_get(score(self.state["meta"], b)) for b in batches[:n]]
+        while n < len(batches) and len(np.unique(np.concatenate([f for _, f in results]))) < 2:
+            results.append(jax.device_get(score(self.state["meta"], batches[n])))
             n += 1
-        scores = np.concatenate([np.asarray(score(self.state["meta"], b)) for b in batches[:n]])
-        return roc_auc(scores, 1 - np.concatenate(flags[:n]))
+        scores, flags = (np.concatenate(x) for x in zip(*results))
+        return roc_auc(scores, 1 - flags)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, force: bool = False):
@@ -249,8 +254,9 @@ class Trainer:
                 metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
                 if metrics.pop("finite") < 1:
                     bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
-                    tqdm.write(f"step {step + 1}: non-finite gradient or loss, update skipped "
-                               f"({bad_in_a_row} in a row)", file=sys.stderr)
+                    if self.is_main:
+                        tqdm.write(f"step {step + 1}: non-finite gradient or loss, update skipped "
+                                   f"({bad_in_a_row} in a row)", file=sys.stderr)
                     if bad_in_a_row >= cfg.max_bad_steps:
                         raise TrainingError(
                             f"{bad_in_a_row} non-finite gradients or losses in a row at step {step + 1}; stopping. The "

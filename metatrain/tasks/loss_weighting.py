@@ -31,7 +31,7 @@ class LossWeighting(Task):
         self.meta_graphdef, _ = models.abstract_init(self.meta_model)
 
     def init_meta(self, key: jax.Array) -> Pytree:
-        return {"lm": models.init(self.meta_model, key)[1], "log_temperature": jnp.zeros((), jnp.float32)}
+        return {"lm": models.init(self.meta_model, key)[1], "log_temperature": jnp.zeros((), self.meta_model.dtype)}
 
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
         """exp(τ) · mean log-likelihood of each example under the meta model: [batch]. Higher → more weight."""

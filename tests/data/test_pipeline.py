@@ -97,8 +97,24 @@ def test_bad_config(overrides, message):
 
 
 def test_batch_not_divisible_by_processes():
-    with pytest.raises(ValueError, match="not divisible by the 3 processes"):
+    with pytest.raises(ValueError, match="not divisible by the 3 data shards"):
         Streams(DataConfig(batch=16), 0, 3)
+    with pytest.raises(ValueError, match="data.shards=3 does not split over 2 processes"):
+        Streams(DataConfig(batch=12, shards=3), 0, 2)
+
+
+def test_fixed_shards_give_the_same_global_batches_on_any_process_count():
+    """With data.shards=2, one process's batches are the two processes' batches side by side."""
+    cfg = DataConfig(vocab_size=300, seq_len=16, batch=8, inner_steps=2, shards=2, corrupt_fraction=0.3,
+                     shuffle_window=64)
+    one, halves = Streams(cfg, 0, 1), [Streams(cfg, p, 2) for p in range(2)]
+    for _ in range(3):
+        inner, outer = one.next()
+        parts = [h.next() for h in halves]
+        for k in inner:
+            np.testing.assert_array_equal(inner[k], np.concatenate([p[0][k] for p in parts], axis=1))
+            np.testing.assert_array_equal(outer[k], np.concatenate([p[1][k] for p in parts], axis=0))
+    assert inner["tokens"].shape == (2, 8, 17)
 
 
 def test_bad_paths(tmp_path):

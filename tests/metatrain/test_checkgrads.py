@@ -3,7 +3,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import models

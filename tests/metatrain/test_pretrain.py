@@ -8,7 +8,8 @@ import orbax.checkpoint as ocp
 
 from metatrain import cli
 
-from test_trainer import TINY, _leaves, _state, _train
+from helpers import leaves, saved_state
+from test_trainer import TINY, _train
 
 
 def _validation(out):
@@ -53,7 +54,7 @@ def test_export_writes_the_meta_parameters(tmp_path, capsys):
     assert info["kind"] == "meta-train" and info["step"] == 2 and info["model"]["vocab_size"] == 300
     with ocp.StandardCheckpointer() as ckptr:
         exported = ckptr.restore(os.path.abspath(out / "params"))
-    for x, y in zip(_leaves(exported), _leaves(_state(run, 2)["meta"])):
+    for x, y in zip(leaves(exported), leaves(saved_state(run, 2)["meta"])):
         np.testing.assert_array_equal(x, y)
     assert cli.main(["export", str(tmp_path / "nothing")]) == 2
     assert "error:" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""Run a metatrain command as N processes on 127.0.0.1 with M simulated CPU devices each: the
+multi-host code path (jax.distributed, per-process data shards, Orbax from every process) on one machine.
+
+    python -m launch.local --processes 2 --devices 4 -- train data.shards=2 workdir=runs/mh
+
+Process 0's output passes through; the others' lines are prefixed `[process i]`. When a process
+fails, the launcher stops the rest (SIGTERM, then SIGKILL after --grace seconds) and exits with the
+failed process's code, so a crash never leaves the job hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relay(stream, prefix: str, out):
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line.decode(errors="replace"))
+        out.flush()
+
+
+def launch(command: list[str], processes: int, devices: int, port: int = 0, grace: float = 10.0) -> int:
+    """Start the processes, wait for all; on the first failure stop the others. Returns the exit code."""
+    port = port or free_port()
+    procs = []
+    for i in range(processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+                   METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES=str(processes),
+                   METATRAIN_PROCESS_ID=str(i))
+        pipe = None if i == 0 else subprocess.PIPE
+        p = subprocess.Popen([sys.executable, "-m", "metatrain.cli", *command], env=env, stdout=pipe,
+                             stderr=None if i == 0 else subprocess.STDOUT)
+        if i:
+            threading.Thread(target=_relay, args=(p.stdout, f"[process {i}] ", sys.stderr), daemon=True).start()
+        procs.append(p)
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        time.sleep(0.2)
+    if failed is None:
+        failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+        if failed is None:
+            return 0
+    code = procs[failed].returncode
+    print(f"launch.local: process {failed} exited with code {code}; stopping the other processes",
+          file=sys.stderr)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return code if code > 0 else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices per process")
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then a metatrain command, e.g. train ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the metatrain command after --, e.g. -- train steps=10")
+    if args.processes < 1 or args.devices < 1:
+        parser.error("--processes and --devices must be >= 1")
+    return launch(command, args.processes, args.devices, args.port, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

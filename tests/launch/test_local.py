@@ -1,0 +1,61 @@
+"""The multi-host path on one machine: 2 processes x 4 CPU devices vs 1 process x 8, resume across a
+2-process restart, and a dead process stopping the job."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import assert_same_params, saved_state
+from launch import local
+
+TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
+        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
+        "eval_batches=1", "log_every=1", "inner_lr=0.01", "mesh.fsdp=2", "data.shards=2"]
+
+
+def test_two_processes_match_one_and_resume(tmp_path):
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    assert local.launch(["train", *TINY, f"workdir={multi}", "steps=2"], processes=2, devices=4) == 0
+    # a new 2-process job continues from the checkpoint the first one wrote
+    assert local.launch(["train", *TINY, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=4) == 0
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={single}", "steps=4",
+                          "checkpoint_every=2"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for step in (2, 4):  # the uninterrupted 1 x 8 run saved both steps
+        a, b = saved_state(single, step), saved_state(multi, step)
+        for key in ("meta", "inner", "base"):
+            assert_same_params(a[key], b[key])
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """Process 1 is SIGKILLed mid-run; process 0 must exit with an error, not hang."""
+    workdir, port = tmp_path / "run", local.free_port()
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                   METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2", METATRAIN_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "metatrain.cli", "train", *TINY, "mesh.fsdp=1", f"workdir={workdir}",
+             "steps=100000", "checkpoint_every=0", "--heartbeat-timeout", "10"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    try:
+        while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "no step within 300 s"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs[0].wait(timeout=120)  # heartbeat timeout 10 s, plus slack for a loaded machine
+        waited = time.time() - killed_at
+        err = procs[0].stderr.read().decode()
+        assert procs[0].returncode != 0
+        assert "another task died" in err or "unhealthy" in err, err[-3000:]
+        assert waited < 120
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
