@@ -149,8 +149,6 @@ def cmd_data_bench(args) -> int:
 
 def _train_config(args):
     """Preset + overrides; when the work dir already holds a run, its saved config + these overrides."""
-    import os
-
     from metatrain import config as config_lib
 
     preset, overrides = args.command if args.command == "pretrain" else "default", list(args.overrides)
@@ -160,11 +158,10 @@ def _train_config(args):
         overrides.append(f"baseline={args.baseline}")
     cfg = config_lib.load(preset, overrides)
     saved = config_lib.workdir_config_path(cfg.workdir)
-    checkpoints = config_lib.checkpoint_dir(cfg.workdir)
-    has_checkpoint = os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints))
+    has_checkpoint = config_lib.has_checkpoint(cfg.workdir)
     if args.resume and not has_checkpoint:
         raise config_lib.ConfigError(f"--resume: {cfg.workdir} has no checkpoint to resume from")
-    if has_checkpoint and os.path.exists(saved):
+    if has_checkpoint and config_lib.read_text(saved) is not None:
         cfg = config_lib.load(saved, overrides)
         print(f"resuming the run in {cfg.workdir} (its saved config, with your overrides)")
     return cfg, has_checkpoint
@@ -192,14 +189,13 @@ def cmd_train(args) -> int:
     if resume:
         trainer.restore()
     if trainer.is_main:
-        with open(config_lib.workdir_config_path(cfg.workdir), "w") as f:
-            f.write(config_lib.to_yaml(cfg))
+        config_lib.write_text(config_lib.workdir_config_path(cfg.workdir), config_lib.to_yaml(cfg))
         print(f"{what} in {cfg.workdir}, {trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} "
               f"(data x fsdp) devices, {joined}"
               + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
     summary = trainer.train()
     if trainer.is_main:
-        print(f"plot: {plot_run(cfg.workdir)}")
+        print(f"plot: {plot_run(config_lib.log_dir(cfg.workdir))}")
         print(f"time: {summary['seconds']:.0f} s, skipped updates: {summary['skipped_updates']}")
         auc = summary.get("corrupted_auc")
         if auc is not None:
@@ -209,6 +205,31 @@ def cmd_train(args) -> int:
             print(f"baseline validation loss: {summary['baseline_validation_loss']:.4f}")
         print(f"validation loss: {summary['start_validation_loss']:.4f} -> {summary['end_validation_loss']:.4f}")
     return 0
+
+
+def cmd_compile(args) -> int:
+    from metatrain import config as config_lib
+    from metatrain.tpu_compile import GiB, compile_outer_step
+
+    cfg = config_lib.load(None, [f"task={args.task}", f"mode={args.mode}", f"data.seq_len={args.seq_len}",
+                                 f"data.batch={args.batch}", f"data.inner_steps={args.inner_steps}",
+                                 f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides])
+    model = _model(args, remat=not args.no_remat)
+    print(f"compiling the outer step for {args.topology}: task={cfg.task} mode={cfg.mode} model={args.model} "
+          f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
+          f"T={cfg.data.inner_steps}", flush=True)
+    r = compile_outer_step(cfg, model, args.topology)
+    print(f"mesh {r['mesh']} over {r['devices']} chips; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB")
+    if "total_bytes" in r:
+        print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
+                                                 for k in ("argument", "output", "alias", "temp", "total")))
+        print(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['total_bytes'] / GiB:.2f} of "
+              f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['total_bytes'] / r['hbm_bytes']:.0f}%)")
+    else:
+        print(f"does NOT fit: the compiler needs {r['required_bytes'] / GiB:.2f} GiB of "
+              f"{r['hbm_bytes'] / GiB:.2f} GiB ({r['message']})")
+    _write_json(args.json, r)
+    return 0 if r["fits"] else 1
 
 
 def cmd_export(args) -> int:
@@ -289,6 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="default+remat")
     p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
     p.set_defaults(fn=cmd_bench_memory)
+
+    p = sub.add_parser("compile", help="compile the real outer step for a TPU topology here (libtpu, no TPU); "
+                                       "per-device memory vs HBM; exit 1 if it does not fit")
+    _add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2)
+    p.add_argument("--topology", required=True, help="e.g. v5p:2x2x1, v5p:4x4x4")
+    p.add_argument("--mode", default="mixflow", choices=["default", "mixflow", "revfwd"])
+    p.add_argument("--fsdp", type=int, default=-1, help="fsdp mesh axis size (-1 = all chips); data = the rest")
+    p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. save_inner_grads=false")
+    p.set_defaults(fn=cmd_compile)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data", required=True)
     p = data.add_parser("build", help="local text (files, folders, globs) -> a TFDS ArrayRecord dataset")

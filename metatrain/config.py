@@ -102,11 +102,12 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     try:
         merged = OmegaConf.structured(Config)
         if preset:
-            path = Path(preset) if preset.endswith((".yaml", ".yml")) else CONFIG_DIR / f"{preset}.yaml"
-            if not path.exists():
+            path = preset if preset.endswith((".yaml", ".yml")) else str(CONFIG_DIR / f"{preset}.yaml")
+            text = read_text(path)
+            if text is None:
                 names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
                 raise ConfigError(f"preset: no config {preset!r}; choose one of {names} or give a .yaml path")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, OmegaConf.create(text))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
@@ -126,9 +127,43 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def is_remote(path: str) -> bool:
+    """gs://... and other URL-style paths (read and written through etils.epath, as Orbax does)."""
+    return "://" in path
+
+
 def workdir_config_path(workdir: str) -> str:
     return os.path.join(workdir, "config.yaml")
 
 
 def checkpoint_dir(workdir: str) -> str:
-    return os.path.abspath(os.path.join(workdir, "checkpoints"))
+    return os.path.join(workdir, "checkpoints") if is_remote(workdir) else os.path.abspath(
+        os.path.join(workdir, "checkpoints"))
+
+
+def log_dir(workdir: str) -> str:
+    """Where metrics.jsonl, TensorBoard events and curves.png go: the work dir, or for a remote work dir
+    (gs://...) a local `runs/<name>` on process 0's host (appending to object storage is not possible)."""
+    return os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1]) if is_remote(workdir) else workdir
+
+
+def has_checkpoint(workdir: str) -> bool:
+    from etils import epath
+
+    ckpt = epath.Path(checkpoint_dir(workdir))
+    return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+
+
+def read_text(path: str) -> str | None:
+    from etils import epath
+
+    p = epath.Path(path)
+    return p.read_text() if p.exists() else None
+
+
+def write_text(path: str, text: str) -> None:
+    from etils import epath
+
+    p = epath.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)

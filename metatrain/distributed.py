@@ -3,7 +3,8 @@ connects them. Call `initialize` before anything touches a device.
 
 - explicit: `--coordinator HOST:PORT --num-processes N --process-id I` (or the environment variables
   METATRAIN_COORDINATOR, METATRAIN_NUM_PROCESSES, METATRAIN_PROCESS_ID, which the local launcher sets);
-- detected: on a TPU VM slice or under SLURM, `jax.distributed.initialize()` finds its peers itself;
+- detected: on a TPU VM slice or under SLURM (or with METATRAIN_DISTRIBUTED=auto, which the TPU
+  launcher sets), `jax.distributed.initialize()` finds its peers itself;
 - otherwise (a plain single process) nothing is done.
 
 A process that stops sending heartbeats for `heartbeat_timeout` seconds is declared dead by the
@@ -20,6 +21,16 @@ ENV = {"coordinator": "METATRAIN_COORDINATOR", "num_processes": "METATRAIN_NUM_P
 
 def _detected() -> str | None:
     """The cluster JAX can join on its own, if this process runs inside one."""
+    if os.environ.get("METATRAIN_DISTRIBUTED") == "auto":  # set by launch.tpu on every worker
+        return "auto-detected by JAX"
+    try:  # JAX's own detectors (TPU VMs through the metadata server, SLURM, Open MPI, Kubernetes)
+        from jax._src import clusters
+
+        for env in clusters.ClusterEnv._cluster_types:
+            if env.__name__ != "Mpi4pyCluster" and env.is_env_present():
+                return env.__name__
+    except Exception:  # a private API: fall back to the environment variables below
+        pass
     if os.environ.get("TPU_WORKER_HOSTNAMES") and "," in os.environ["TPU_WORKER_HOSTNAMES"]:
         return "a TPU VM slice"
     if os.environ.get("TPU_ACCELERATOR_TYPE") and os.environ.get("TPU_WORKER_ID"):

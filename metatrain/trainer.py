@@ -111,7 +111,8 @@ class Trainer:
                                   out_shardings=replicated)
         self._replicated = replicated
 
-        os.makedirs(cfg.workdir, exist_ok=True)
+        if self.is_main:
+            os.makedirs(config_lib.log_dir(cfg.workdir), exist_ok=True)
         self.checkpoints = ocp.CheckpointManager(
             config_lib.checkpoint_dir(cfg.workdir),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=True))
@@ -238,7 +239,7 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)  # every process saves, then stops
-        log = MetricsLog(cfg.workdir) if self.is_main else None
+        log = MetricsLog(config_lib.log_dir(cfg.workdir)) if self.is_main else None
         start_step = int(self.state["step"])
         summary = {"start_validation_loss": self.validation_loss()}
         bad_in_a_row, skipped = 0, 0

@@ -1,0 +1,106 @@
+"""Compile the real outer step for a TPU topology on a machine without a TPU (libtpu ahead of time).
+
+The run's Trainer program (task, mode, meta-optimizer, baseline) is lowered with `ShapeDtypeStruct`
+inputs carrying the run's mesh and FSDP shardings over the topology's devices, compiled by the TPU
+compiler, and its per-device memory is compared with the chip's HBM. A program over HBM fails to
+compile with RESOURCE_EXHAUSTED; the bytes it needed are read from the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metatrain.config import Config
+from metatrain.sharding import batch_sharding, make_mesh, tree_shardings
+from metatrain.trainer import Trainer, meta_optimizer
+from metatrain.unroll import Unroll
+from models import ModelConfig
+
+GiB = 2**30
+HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.74, "v6e": 32.0}  # per chip
+
+
+def topology_devices(topology: str):
+    """TPU devices of e.g. "v5p:2x2x1" for ahead-of-time compilation (needs the `tpu` extra: libtpu)."""
+    from jax.experimental import topologies
+
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
+    if not m:
+        raise ValueError(f"--topology {topology!r}: write it as GENERATION:AxBxC, e.g. v5p:2x2x1")
+    chip, dims = m.group(1), tuple(int(d) for d in m.groups()[1:] if d is not None)
+    if chip not in HBM_GIB:
+        raise ValueError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)}")
+    per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1)))
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+                                            chips_per_host_bounds=per_host, num_slices=1)
+    except Exception as e:  # no libtpu, or a shape the compiler does not know
+        raise ValueError(f"cannot describe TPU topology {topology!r} ({str(e).splitlines()[0][:200]}); "
+                         f"install the tpu extra: pip install -e '.[tpu]'") from None
+    return topo.devices, HBM_GIB[chip] * GiB
+
+
+class _Program(Trainer):
+    """The Trainer's state and outer step without data, files or allocated arrays."""
+
+    def __init__(self, cfg: Config, model: ModelConfig, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.task = self._make_task(model)
+        self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
+        self.meta_opt = meta_optimizer(cfg)
+
+
+def _batch(shape, sharding):
+    seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("tokens", "segment_ids", "positions")}
+    seq["corrupted"] = jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)  # spec covers [T,] batch
+    return seq
+
+
+def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
+    """Per-device memory of the run's outer step on `topology`, and whether it fits the chip's HBM."""
+    devices, hbm = topology_devices(topology)
+    mesh = make_mesh(cfg.mesh, devices)
+    if cfg.data.batch % len(devices):
+        raise ValueError(f"--batch {cfg.data.batch} does not split over the {len(devices)} chips of {topology} "
+                         f"(batches are split over data x fsdp); use a multiple of {len(devices)}")
+    prog = _Program(cfg, model, mesh)
+    abstract = jax.eval_shape(prog._init_state, jax.random.key(0))
+    shardings = tree_shardings(abstract, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    d = cfg.data
+    inner = _batch((d.inner_steps, d.batch, d.seq_len + 1), batch_sharding(mesh, leading=1))
+    outer = _batch((d.batch, d.seq_len + 1), batch_sharding(mesh))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    report = {"topology": topology, "devices": len(devices), "mesh": dict(mesh.shape), "hbm_bytes": hbm,
+              "model": dataclasses.asdict(model), "task": cfg.task, "mode": cfg.mode,
+              "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
+    step = jax.jit(prog._outer_step, donate_argnums=0, out_shardings=(shardings, replicated))
+    try:
+        compiled = step.lower(state, inner, outer).compile()
+    except Exception as e:
+        m = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds", str(e), re.S)
+        if not m:
+            raise
+        need = float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024
+        return report | {"fits": False, "required_bytes": need, "message": str(e).splitlines()[0][:300]}
+    mem = compiled.memory_analysis()
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes)
+    return report | {"fits": total <= hbm, "argument_bytes": mem.argument_size_in_bytes,
+                     "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+                     "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total,
+                     "state_bytes_per_device": _per_device_bytes(state)}
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes of one device's shards of a sharded pytree of ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
+    return total
