@@ -5,6 +5,11 @@ import os
 import numpy as np
 import orbax.checkpoint as ocp
 
+# a tiny loss-weighting run: seconds per step on CPU
+TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
+        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
+        "eval_batches=1", "log_every=1", "inner_lr=0.01"]
+
 
 def saved_state(workdir, step):
     """The saved state on this process's one device, whatever mesh wrote it."""

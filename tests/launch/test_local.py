@@ -7,21 +7,19 @@ import subprocess
 import sys
 import time
 
-from helpers import assert_same_params, saved_state
+from helpers import TINY, assert_same_params, saved_state
 from launch import local
 
-TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
-        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
-        "eval_batches=1", "log_every=1", "inner_lr=0.01", "mesh.fsdp=2", "data.shards=2"]
+MULTI = [*TINY, "mesh.fsdp=2", "data.shards=2"]
 
 
 def test_two_processes_match_one_and_resume(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
-    assert local.launch(["train", *TINY, f"workdir={multi}", "steps=2"], processes=2, devices=4) == 0
+    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=2"], processes=2, devices=4) == 0
     # a new 2-process job continues from the checkpoint the first one wrote
-    assert local.launch(["train", *TINY, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=4) == 0
+    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=4) == 0
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={single}", "steps=4",
+    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *MULTI, f"workdir={single}", "steps=4",
                           "checkpoint_every=2"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     for step in (2, 4):  # the uninterrupted 1 x 8 run saved both steps
@@ -38,7 +36,7 @@ def test_a_dead_process_stops_the_others(tmp_path):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                    METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2", METATRAIN_PROCESS_ID=str(i))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "metatrain.cli", "train", *TINY, "mesh.fsdp=1", f"workdir={workdir}",
+            [sys.executable, "-m", "metatrain.cli", "train", *MULTI, "mesh.fsdp=1", f"workdir={workdir}",
              "steps=100000", "checkpoint_every=0", "--heartbeat-timeout", "10"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 300

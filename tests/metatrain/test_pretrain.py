@@ -8,8 +8,8 @@ import orbax.checkpoint as ocp
 
 from metatrain import cli
 
-from helpers import leaves, saved_state
-from test_trainer import TINY, _train
+from helpers import TINY, leaves, saved_state
+from test_trainer import _train
 
 
 def _validation(out):

@@ -10,13 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_same_params, leaves, saved_state
+from helpers import TINY, assert_same_params, leaves, saved_state
 from metatrain import cli
 from metatrain.tasks import LossWeighting
 
-TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
-        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
-        "eval_batches=1", "log_every=1", "inner_lr=0.01"]
 
 
 def _train(workdir, *extra, devices=1, resume=False, background=False, command="train"):
