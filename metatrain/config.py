@@ -147,11 +147,17 @@ def log_dir(workdir: str) -> str:
     return os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1]) if is_remote(workdir) else workdir
 
 
-def has_checkpoint(workdir: str) -> bool:
+def latest_step(workdir: str) -> int | None:
+    """The step of the newest finished checkpoint in the work dir (unfinished saves are `N.orbax-...-tmp`)."""
     from etils import epath
 
     ckpt = epath.Path(checkpoint_dir(workdir))
-    return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+    steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
+    return max(steps, default=None)
+
+
+def has_checkpoint(workdir: str) -> bool:
+    return latest_step(workdir) is not None
 
 
 def read_text(path: str) -> str | None:

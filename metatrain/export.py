@@ -18,19 +18,19 @@ import orbax.checkpoint as ocp
 from metatrain import config as config_lib
 
 
-def _latest_state_dir(workdir: str) -> tuple[str, int]:
-    ckpt = config_lib.checkpoint_dir(workdir)
-    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
-    if not steps:
-        raise ValueError(f"{workdir} has no checkpoint (expected {ckpt}/<step>/); is it a metatrain work dir?")
-    return os.path.join(ckpt, str(steps[-1]), "state"), steps[-1]
+def _latest_state(workdir: str) -> tuple[str, int, dict]:
+    """(the latest checkpoint's state dir, its step, its metadata tree)."""
+    step = config_lib.latest_step(workdir)
+    if step is None:
+        raise ValueError(f"{workdir} has no checkpoint (expected {config_lib.checkpoint_dir(workdir)}/<step>/); "
+                         f"is it a metatrain work dir?")
+    state_dir = os.path.join(config_lib.checkpoint_dir(workdir), str(step), "state")
+    return state_dir, step, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
 
 
-def _restore_part(state_dir: str, key: str, target=None):
-    """One top-level entry of a saved state, onto `target`'s shapes and shardings (default: the first
-    device, as saved)."""
-    checkpointer = ocp.PyTreeCheckpointer()
-    saved = checkpointer.metadata(state_dir).item_metadata.tree
+def _restore_part(state_dir: str, saved: dict, key: str, target=None):
+    """One top-level entry of a saved state (`saved`: its metadata tree), onto `target`'s shapes and
+    shardings (default: the first device, as saved)."""
     if key not in saved:
         raise ValueError(f"{state_dir} has no {key!r} entry (it has {sorted(saved)})")
     if target is None:
@@ -39,7 +39,7 @@ def _restore_part(state_dir: str, key: str, target=None):
     item = {key: target}
     args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)
-    return checkpointer.restore(state_dir, args=args)[key]
+    return ocp.PyTreeCheckpointer().restore(state_dir, args=args)[key]
 
 
 def _check_matches(saved, target):
@@ -59,10 +59,9 @@ def _check_matches(saved, target):
 def export(workdir: str, out: str | None = None) -> str:
     """Write the latest checkpoint's meta-parameters (pretrain runs: the parameters) to `out`."""
     cfg = config_lib.load(config_lib.workdir_config_path(workdir))
-    state_dir, step = _latest_state_dir(workdir)
-    saved = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+    state_dir, step, saved = _latest_state(workdir)
     kind = "pretrain" if "params" in saved else "meta-train"
-    params = _restore_part(state_dir, "params" if kind == "pretrain" else "meta")
+    params = _restore_part(state_dir, saved, "params" if kind == "pretrain" else "meta")
     from data.tokenizer import load_tokenizer
 
     model = cfg.model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
@@ -83,9 +82,8 @@ def load_params(path: str, target):
             params_dir = os.path.join(path, "params")
             _check_matches(checkpointer.metadata(params_dir).item_metadata.tree, target)
             return checkpointer.restore(params_dir, target)
-    state_dir, _ = _latest_state_dir(path)
-    saved = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+    state_dir, _, saved = _latest_state(path)
     if "params" not in saved:
         raise ValueError("it is not a `metatrain pretrain` work dir (no 'params' in its checkpoint)")
     _check_matches(saved["params"], target)
-    return _restore_part(state_dir, "params", target)
+    return _restore_part(state_dir, saved, "params", target)

@@ -14,7 +14,7 @@ import optax
 
 import models
 from metatrain.tasks.base import Task
-from metatrain.trainer import Trainer
+from metatrain.trainer import Trainer, keep_if
 
 
 class Pretrainer(Trainer):
@@ -40,8 +40,8 @@ class Pretrainer(Trainer):
         (params, opt), (losses, norms) = jax.lax.scan(one, (state["params"], state["opt"]), batches)
         outer = self.task.outer_loss(params, None, outer_batch)
         ok = jnp.isfinite(losses).all() & jnp.isfinite(norms).all() & jnp.isfinite(outer)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-        new = {"step": state["step"] + 1, "params": keep(params, state["params"]), "opt": keep(opt, state["opt"])}
+        new = {"step": state["step"] + 1, "params": keep_if(ok, params, state["params"]),
+               "opt": keep_if(ok, opt, state["opt"])}
         return new, {"outer_loss": outer, "inner_loss": losses.mean(), "grad_norm": norms.mean(), "finite": ok}
 
     def _theta(self, which: str = "inner"):

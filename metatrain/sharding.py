@@ -47,6 +47,11 @@ def tree_shardings(tree, mesh):
     return jax.tree.unflatten(treedef, out)
 
 
+def abstract(tree, shardings):
+    """ShapeDtypeStructs of `tree` carrying `shardings`: targets for Orbax restores and AOT lowering."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def batch_sharding(mesh, leading: int = 0) -> NamedSharding:
     """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp."""
     return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))

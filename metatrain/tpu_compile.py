@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metatrain.config import Config
-from metatrain.sharding import batch_sharding, make_mesh, tree_shardings
+from metatrain.sharding import abstract, batch_sharding, make_mesh, tree_shardings
 from metatrain.trainer import Trainer, meta_optimizer
 from metatrain.unroll import Unroll
 from models import ModelConfig
@@ -69,9 +69,9 @@ def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
         raise ValueError(f"--batch {cfg.data.batch} does not split over the {len(devices)} chips of {topology} "
                          f"(batches are split over data x fsdp); use a multiple of {len(devices)}")
     prog = _Program(cfg, model, mesh)
-    abstract = jax.eval_shape(prog._init_state, jax.random.key(0))
-    shardings = tree_shardings(abstract, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    shapes = jax.eval_shape(prog._init_state, jax.random.key(0))
+    shardings = tree_shardings(shapes, mesh)
+    state = abstract(shapes, shardings)
     d = cfg.data
     inner = _batch((d.inner_steps, d.batch, d.seq_len + 1), batch_sharding(mesh, leading=1))
     outer = _batch((d.batch, d.seq_len + 1), batch_sharding(mesh))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from data.pipeline import Streams, to_global
 from metatrain import config as config_lib
 from metatrain.config import Config
-from metatrain.sharding import batch_sharding, make_mesh, tree_shardings
+from metatrain.sharding import abstract, batch_sharding, make_mesh, tree_shardings
 from metatrain.tasks import make_task
 from metatrain.unroll import Unroll, meta_value_and_grad, outer_loss
 
@@ -40,6 +40,11 @@ def meta_optimizer(cfg: Config) -> optax.GradientTransformation:
     else:
         lr = optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else o.lr
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(lr, eps=o.eps, weight_decay=o.weight_decay))
+
+
+def keep_if(ok: jax.Array, new, old):
+    """`new` where `ok`, else `old`, leaf by leaf: a non-finite update never reaches the state."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def progress_bar(total: int, initial: int, desc: str, disable: bool) -> tqdm:
@@ -98,8 +103,8 @@ class Trainer:
         self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
         self.meta_opt = meta_optimizer(cfg)
 
-        abstract = jax.eval_shape(self._init_state, jax.random.key(cfg.seed))
-        self.state_shardings = tree_shardings(abstract, self.mesh)
+        shapes = jax.eval_shape(self._init_state, jax.random.key(cfg.seed))
+        self.state_shardings = tree_shardings(shapes, self.mesh)
         self.state = jax.jit(self._init_state, out_shardings=self.state_shardings)(jax.random.key(cfg.seed))
         if cfg.inner.init_from:
             self.state = self._start_from(cfg.inner.init_from)
@@ -127,8 +132,7 @@ class Trainer:
         from metatrain.export import load_params
 
         which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              which(self.state), which(self.state_shardings))
+        target = abstract(which(self.state), which(self.state_shardings))
         try:
             params = load_params(path, target)
         except ValueError as e:
@@ -162,11 +166,10 @@ class Trainer:
         grad_norm = optax.tree.norm(grad)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         updates, meta_opt = self.meta_opt.update(grad, state["meta_opt"], state["meta"])
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # skip bad updates
         new = {"step": state["step"] + 1,
-               "meta": keep(optax.apply_updates(state["meta"], updates), state["meta"]),
-               "meta_opt": keep(meta_opt, state["meta_opt"]),
-               "inner": None if self.task.resets_inner else keep(aux.inner, state["inner"])}
+               "meta": keep_if(ok, optax.apply_updates(state["meta"], updates), state["meta"]),
+               "meta_opt": keep_if(ok, meta_opt, state["meta_opt"]),
+               "inner": None if self.task.resets_inner else keep_if(ok, aux.inner, state["inner"])}
         metrics = {"outer_loss": value, "inner_loss": aux.inner_losses.mean(), "meta_grad_norm": grad_norm,
                    "finite": ok}
         if "base" in state:
@@ -225,8 +228,7 @@ class Trainer:
         step = self.checkpoints.latest_step()
         if step is None:
             return False
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              self.state, self.state_shardings)
+        target = abstract(self.state, self.state_shardings)
         restored = self.checkpoints.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), **self.streams.restore_args()))
         self.state = restored["state"]
