@@ -71,27 +71,103 @@ def cmd_check_grads(args) -> int:
     return 0
 
 
+LADDER_DEFAULT = "44m,140m,489m,1b"
+
+
+def _progress_lines(it, desc=""):
+    """A bar on a terminal; elsewhere (logs, CI) one line per item, so long compiles show progress too."""
+    if sys.stderr.isatty():
+        yield from _progress(it, desc=desc)
+        return
+    items = list(it)
+    for i, item in enumerate(items):
+        print(f"{desc} {i + 1}/{len(items)} ...", file=sys.stderr, flush=True)
+        yield item
+
+
 def cmd_bench_memory(args) -> int:
-    from metatrain import memory
+    import models
+    from metatrain import bench_report, memory
     from metatrain.problem import parse_variant, variants
 
-    if args.backend != "cpu":
-        raise ValueError(f"--backend {args.backend} is not supported yet; use --backend cpu")
+    topology = args.topology or ("v5p:1x1x1" if args.backend == "tpu" else None)
+    if topology and args.backend != "tpu":
+        raise ValueError("--topology is for --backend tpu (TPU ahead-of-time); drop it or add --backend tpu")
     shapes = _shapes(args)
+    tasks = [args.task]
+    default_variants = "default+remat,mixflow+remat+save"
+    names = {}
     if args.grid == "ablation":
         configs = [(_model(args), shapes)]
-        chosen = [parse_variant(v) for v in args.variants.split(",")] if args.variants else variants(
-            ("default", "mixflow"))
+        default_variants = ",".join(v.name for v in variants(("default", "mixflow")))
     elif args.grid == "layers":
         configs = [(_model(args, n_layers=n), shapes) for n in args.layers]
-        chosen = [parse_variant(v) for v in (args.variants or "default+remat,mixflow+remat+save").split(",")]
-    else:
-        raise ValueError(f"--grid {args.grid} is not supported yet; use ablation or layers")
+    elif args.grid == "ladder":
+        ladder = [m.strip() for m in (args.models or LADDER_DEFAULT).split(",")]
+        configs = [(models.preset(m), shapes) for m in ladder]
+        names = {models.param_count(m): name for name, (m, _) in zip(ladder, configs)}
+    else:  # tasks
+        configs = [(_model(args), shapes)]
+        tasks = [t.strip() for t in args.tasks.split(",")]
+    chosen = [parse_variant(v) for v in (args.variants or default_variants).split(",")]
     if args.baseline not in {v.name for v in chosen}:
         chosen.insert(0, parse_variant(args.baseline))
-    rows = memory.run(args.task, configs, chosen, baseline=args.baseline, progress=_progress)
+    where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
+    print(f"bench memory: grid={args.grid} on {where}, {len(tasks) * len(configs) * len(chosen)} compiles, "
+          f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps}", flush=True)
+    rows = memory.run(tasks, configs, chosen, baseline=args.baseline, topology=topology, progress=_progress_lines)
     print(memory.table(rows, args.baseline))
+    if args.grid == "ladder":
+        other = next((v.name for v in chosen if v.name == "mixflow+remat+save"), chosen[-1].name)
+        print()
+        print(bench_report.paper_comparison(rows, names, args.baseline, other))
     _write_json(args.json, rows)
+    if args.plot:
+        print(f"wrote {bench_report.plot(rows, args.grid, args.baseline, args.plot)}")
+    return 0
+
+
+def cmd_bench_time(args) -> int:
+    from metatrain import steptime
+    from metatrain.problem import parse_variant
+
+    import jax
+
+    chosen = [parse_variant(v) for v in args.variants.split(",")]
+    if args.baseline not in {v.name for v in chosen}:
+        chosen.insert(0, parse_variant(args.baseline))
+    model, shapes = _model(args), _shapes(args)
+    print(f"bench time: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}) "
+          f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps} on {jax.default_backend()} "
+          f"({len(jax.devices())} device(s)), {args.rounds} interleaved rounds after {args.warmup} warm-up call(s)",
+          flush=True)
+    rows = steptime.measure(args.task, model, shapes, chosen, args.baseline, rounds=args.rounds,
+                            warmup=args.warmup, progress=_progress_lines)
+    print(steptime.table(rows, args.baseline))
+    _write_json(args.json, rows)
+    return 0
+
+
+def cmd_bench_fit(args) -> int:
+    from metatrain import config as config_lib
+    from metatrain.fit import largest_fitting
+    from metatrain.problem import parse_variant
+
+    cfg = config_lib.load(None, [f"task={args.task}", f"data.seq_len={args.seq_len}", f"data.batch={args.batch}",
+                                 f"data.inner_steps={args.inner_steps}", "mesh.fsdp=-1", "mesh.data=-1",
+                                 *args.overrides])
+    ladder = [m.strip() for m in args.models.split(",")] if args.models else None
+    print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
+          f"T={cfg.data.inner_steps}, binary search over the size ladder (each compile takes minutes)", flush=True)
+    results = [largest_fitting(cfg, parse_variant(v), args.topology, ladder,
+                               log=lambda line: print(line, flush=True)) for v in args.variants.split(",")]
+    for r in results:
+        print(f"largest that fits, {r['variant']}: " + (f"{r['largest']} ({r['params'] / 1e6:,.0f}M parameters)"
+                                                        if r["largest"] else "none of the ladder"))
+    if len(results) == 2 and results[0]["params"]:
+        print(f"ratio of parameter counts ({results[1]['variant']} / {results[0]['variant']}): "
+              f"{results[1]['params'] / results[0]['params']:.2f}x")
+    _write_json(args.json, {"topology": args.topology, "results": results})
     return 0
 
 
@@ -303,13 +379,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("memory", help="ahead-of-time memory per variant")
     _add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
-    p.add_argument("--grid", default="ablation", choices=["ablation", "layers"])
+    p.add_argument("--grid", default="ablation", choices=["ablation", "layers", "ladder", "tasks"],
+                   help="ablation: mode x remat x save; layers: --layers; ladder: --models; tasks: --tasks")
+    p.add_argument("--models", default=None, help=f"ladder presets (default {LADDER_DEFAULT})")
+    p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
+    p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1)")
+    p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
                    help="n_layers values for --grid layers, e.g. 2,8")
     p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")
     p.add_argument("--baseline", default="default+remat")
     p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
     p.set_defaults(fn=cmd_bench_memory)
+
+    p = bench.add_parser("time", help="side-by-side step time per variant (interleaved, median ratio)")
+    _add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
+    p.add_argument("--variants", default="default+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per variant after compiling")
+    p.set_defaults(fn=cmd_bench_time)
+
+    p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology, per variant")
+    p.add_argument("--task", default="maml", help="maml | learned_lr | loss_weighting | package.module:Class")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=2)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1")
+    p.add_argument("--variants", default="default+remat,mixflow+remat+save",
+                   help="two variants: the baseline first, then the one to compare")
+    p.add_argument("--models", default=None, help="the ladder to search, in size order (default: all presets)")
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
+    p.set_defaults(fn=cmd_bench_fit)
 
     p = sub.add_parser("compile", help="compile the real outer step for a TPU topology here (libtpu, no TPU); "
                                        "per-device memory vs HBM; exit 1 if it does not fit")

@@ -54,7 +54,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     inner_lr: float = 1e-3
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
-    mode: str = "mixflow"
+    mode: str = "mixflow"  # default | mixflow | revfwd | auto (compile each, keep the lowest peak memory)
     save_inner_grads: bool = True
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -75,7 +75,7 @@ def _check(cond: bool, field: str, message: str):
 
 
 def validate(cfg: Config) -> Config:
-    _check(cfg.mode in MODES, "mode", f"{cfg.mode!r} is not one of {MODES}")
+    _check(cfg.mode in MODES + ("auto",), "mode", f"{cfg.mode!r} is not one of {MODES + ('auto',)}")
     _check(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
     _check(cfg.inner_lr > 0, "inner_lr", f"must be > 0, got {cfg.inner_lr}")
     _check(cfg.meta_opt.schedule in ("constant", "cosine"), "meta_opt.schedule",

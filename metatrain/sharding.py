@@ -52,6 +52,16 @@ def abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of arrays or ShapeDtypeStructs (whole leaves where unsharded)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
 def batch_sharding(mesh, leading: int = 0) -> NamedSharding:
     """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp."""
     return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))

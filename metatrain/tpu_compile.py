@@ -9,14 +9,13 @@ compile with RESOURCE_EXHAUSTED; the bytes it needed are read from the message.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from metatrain.config import Config
-from metatrain.sharding import abstract, batch_sharding, make_mesh, tree_shardings
+from metatrain.sharding import abstract, device_bytes, make_mesh, tree_shardings
 from metatrain.trainer import Trainer, meta_optimizer
 from metatrain.unroll import Unroll
 from models import ModelConfig
@@ -29,6 +28,8 @@ def topology_devices(topology: str):
     """TPU devices of e.g. "v5p:2x2x1" for ahead-of-time compilation (needs the `tpu` extra: libtpu)."""
     from jax.experimental import topologies
 
+    # AOT compiles touch no chip: let them run beside another JAX process that holds libtpu's lock file
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
     if not m:
         raise ValueError(f"--topology {topology!r}: write it as GENERATION:AxBxC, e.g. v5p:2x2x1")
@@ -45,6 +46,12 @@ def topology_devices(topology: str):
     return topo.devices, HBM_GIB[chip] * GiB
 
 
+def required_bytes(error: Exception) -> float | None:
+    """The bytes an over-HBM program needed, from the TPU compiler's RESOURCE_EXHAUSTED message (else None)."""
+    m = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds", str(error), re.S)
+    return None if m is None else float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1)
+
+
 class _Program(Trainer):
     """The Trainer's state and outer step without data, files or allocated arrays."""
 
@@ -53,12 +60,6 @@ class _Program(Trainer):
         self.task = self._make_task(model)
         self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
         self.meta_opt = meta_optimizer(cfg)
-
-
-def _batch(shape, sharding):
-    seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("tokens", "segment_ids", "positions")}
-    seq["corrupted"] = jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)  # spec covers [T,] batch
-    return seq
 
 
 def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
@@ -73,8 +74,7 @@ def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
     shardings = tree_shardings(shapes, mesh)
     state = abstract(shapes, shardings)
     d = cfg.data
-    inner = _batch((d.inner_steps, d.batch, d.seq_len + 1), batch_sharding(mesh, leading=1))
-    outer = _batch((d.batch, d.seq_len + 1), batch_sharding(mesh))
+    inner, outer = prog.abstract_batches()
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     report = {"topology": topology, "devices": len(devices), "mesh": dict(mesh.shape), "hbm_bytes": hbm,
               "model": dataclasses.asdict(model), "task": cfg.task, "mode": cfg.mode,
@@ -83,10 +83,9 @@ def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
     try:
         compiled = step.lower(state, inner, outer).compile()
     except Exception as e:
-        m = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds", str(e), re.S)
-        if not m:
+        need = required_bytes(e)
+        if need is None:
             raise
-        need = float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024
         return report | {"fits": False, "required_bytes": need, "message": str(e).splitlines()[0][:300]}
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -94,13 +93,4 @@ def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
     return report | {"fits": total <= hbm, "argument_bytes": mem.argument_size_in_bytes,
                      "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                      "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total,
-                     "state_bytes_per_device": _per_device_bytes(state)}
-
-
-def _per_device_bytes(tree) -> int:
-    """Bytes of one device's shards of a sharded pytree of ShapeDtypeStructs."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
-    return total
+                     "state_bytes_per_device": device_bytes(state)}

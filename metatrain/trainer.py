@@ -100,7 +100,6 @@ class Trainer:
         self.streams = Streams(cfg.data)
         model = cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size)  # the model follows the tokenizer
         self.task = self._make_task(model)
-        self.unroll = Unroll(cfg.mode, cfg.save_inner_grads)
         self.meta_opt = meta_optimizer(cfg)
 
         shapes = jax.eval_shape(self._init_state, jax.random.key(cfg.seed))
@@ -111,6 +110,8 @@ class Trainer:
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
+        self.mode_choice = self._choose_mode(replicated) if cfg.mode == "auto" else None
+        self.unroll = Unroll(self.mode_choice["mode"] if self.mode_choice else cfg.mode, cfg.save_inner_grads)
         self._step = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
         self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
                                   out_shardings=replicated)
@@ -178,6 +179,47 @@ class Trainer:
             new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
             metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
         return new, metrics
+
+    def abstract_batches(self):
+        """ShapeDtypeStructs of one step's (inner batches [T, batch, seq+1], outer batch), sharded as in training."""
+        d = self.cfg.data
+
+        def batch(shape, sharding):
+            seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+                   for k in ("tokens", "segment_ids", "positions")}
+            seq["corrupted"] = jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)
+            return seq
+
+        return (batch((d.inner_steps, d.batch, d.seq_len + 1), batch_sharding(self.mesh, leading=1)),
+                batch((d.batch, d.seq_len + 1), batch_sharding(self.mesh)))
+
+    def _choose_mode(self, replicated) -> dict:
+        """mode=auto: compile the outer step ahead of time in every mode and keep the one with the lowest peak
+        memory; modes within 1% of the lowest peak count as tied and the fewest FLOPs wins among them."""
+        from metatrain.mixflow import MODES
+
+        state = abstract(self.state, self.state_shardings)
+        figures = {}
+        for mode in MODES:
+            self.unroll = Unroll(mode, self.cfg.save_inner_grads)
+            compiled = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated)
+                               ).lower(state, *self.abstract_batches()).compile()
+            mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            figures[mode] = {"peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
+                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes,
+                             "flops": float((cost or {}).get("flops", 0.0))}
+        lowest = min(f["peak_bytes"] for f in figures.values())
+        tied = [m for m in MODES if figures[m]["peak_bytes"] <= 1.01 * lowest]
+        choice = {"mode": min(tied, key=lambda m: figures[m]["flops"]), "candidates": figures}
+        if self.is_main:
+            tqdm.write("mode=auto: " + "; ".join(f"{m} peak {f['peak_bytes'] / 2**20:,.1f} MiB, "
+                                                  f"{f['flops'] / 1e9:,.2f} GFLOPs" for m, f in figures.items())
+                       + f" -> {choice['mode']}", file=sys.stderr)
+            os.makedirs(config_lib.log_dir(self.cfg.workdir), exist_ok=True)
+            with open(os.path.join(config_lib.log_dir(self.cfg.workdir), "mode_auto.json"), "w") as f:
+                json.dump(choice, f, indent=1)
+        return choice
 
     def _global_batches(self):
         inner, outer = self.streams.next()

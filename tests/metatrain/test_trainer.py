@@ -1,5 +1,6 @@
 """The Trainer end to end on a tiny model: bad configs, exact resume after SIGKILL, 1 vs 8 devices, bad steps."""
 
+import json
 import os
 import signal
 import subprocess
@@ -96,7 +97,10 @@ def _tensorboard_scalars(logdir):
 
 
 def test_main_job_lines(tmp_path):
-    out = _train(tmp_path / "run", "steps=4", "baseline=uniform")
+    out = _train(tmp_path / "run", "steps=4", "baseline=uniform", "mode=auto")
+    choice = json.loads((tmp_path / "run" / "mode_auto.json").read_text())  # mode=auto: the lowest peak wins
+    peaks = {m: c["peak_bytes"] for m, c in choice["candidates"].items()}
+    assert set(peaks) == {"default", "mixflow", "revfwd"} and peaks[choice["mode"]] <= 1.01 * min(peaks.values())
     lines = out.strip().splitlines()
     assert lines[-1].startswith("validation loss: ") and " -> " in lines[-1]
     assert any(line.startswith("baseline validation loss: ") for line in lines)

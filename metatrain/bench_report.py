@@ -1,0 +1,91 @@
+"""Presenting `bench memory` rows: the paper side by side, and PNG plots."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+GiB = 2**30
+# MixFlow-MG paper, Tables 2-3 (A.8), TPU, MAML, B=4 S=2048 T=2, HBM in G: (default+remat, mixflow+remat+save)
+PAPER_TPU = {"44m": (32.8, 12.9), "489m": (123.7, 46.9)}
+PAPER_CONFIG = {"task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2}
+
+
+def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, variant: str) -> str:
+    """Per model size: measured peak and dynamic GiB of `baseline` and `variant` beside the paper's peak, and the
+    static part named (η, inner Adam state υ, T per-step checkpoints; inputs and outputs hold the rest)."""
+    by = {(r["params"], r["variant"]): r for r in rows}
+    head = ("| model | params | " + f"{baseline} peak (dyn.) | {variant} peak (dyn.) | peak ratio | dynamic ratio | "
+            "paper peak | static of variant: η + υ + checkpoints + other | static share |\n|" + "---|" * 9)
+    lines, dominated = [head], []
+    same_setting = all(rows[0][k] == v for k, v in PAPER_CONFIG.items()) and rows[0]["backend"] == "tpu"
+    for params, name in names.items():
+        b, v = by.get((params, baseline)), by.get((params, variant))
+        if b is None or v is None:
+            continue
+        g = lambda x: f"{x / GiB:.1f}"
+        fit = lambda r: "" if r.get("fits") is not False else " over HBM"
+        paper = PAPER_TPU.get(name) if same_setting else None
+        other = v["static_bytes"] - v["param_bytes"] - v["adam_bytes"] - v["checkpoint_bytes"]
+        share = v["static_bytes"] / v["peak_bytes"]
+        if share > 0.5:
+            dominated.append(name)
+        lines.append(
+            f"| {name} | {params / 1e6:,.0f}M | {g(b['peak_bytes'])}{fit(b)} ({g(b['dynamic_bytes'])}) | "
+            f"{g(v['peak_bytes'])}{fit(v)} ({g(v['dynamic_bytes'])}) | {b['peak_bytes'] / v['peak_bytes']:.2f}x | "
+            f"{b['dynamic_bytes'] / v['dynamic_bytes']:.2f}x | "
+            f"{f'{paper[0]} -> {paper[1]}' if paper else '-'} | {g(v['param_bytes'])} + {g(v['adam_bytes'])} + "
+            f"{g(v['checkpoint_bytes'])} + {g(other)} = {g(v['static_bytes'])} | {100 * share:.0f}% |")
+    note = ("GiB per chip; paper: Tables 2-3 of the MixFlow-MG paper (TPU, 'G'), same task and shapes"
+            if same_setting else "GiB; the paper's figures are for MAML on TPU at B=4 S=2048 T=2 only")
+    if dominated:
+        note += f"; static memory is most of {variant}'s peak from {dominated[0]} on"
+    return "\n".join(lines) + f"\n({note})"
+
+
+def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
+    """Ladder: ratios vs parameter count. Layers: memory and ratios vs depth. Tasks/ablation: peak per variant."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    others = [v for v in variants if v != baseline]
+    if grid in ("ladder", "layers"):
+        x_key, x_label = ("params", "parameters") if grid == "ladder" else ("n_layers", "layers")
+        for v in variants:
+            rs = [r for r in rows if r["variant"] == v]
+            xs = [r[x_key] for r in rs]
+            left.plot(xs, [r["peak_bytes"] / GiB for r in rs], "o-", label=f"{v} peak")
+            left.plot(xs, [r["dynamic_bytes"] / GiB for r in rs], "x--", label=f"{v} dynamic")
+        for v in others:
+            rs = [r for r in rows if r["variant"] == v and r["peak_ratio"]]
+            right.plot([r[x_key] for r in rs], [r["peak_ratio"] for r in rs], "o-", label=f"peak, {v}")
+            right.plot([r[x_key] for r in rs], [r["dynamic_ratio"] for r in rs], "x--", label=f"dynamic, {v}")
+        for ax in (left, right):
+            ax.set_xlabel(x_label)
+            if grid == "ladder":
+                ax.set_xscale("log")
+        left.set(ylabel="GiB", title="memory", yscale="log")
+        right.set(ylabel=f"{baseline} ÷ variant", title="memory ratio")
+    else:
+        groups = list(dict.fromkeys(r["task"] for r in rows))
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            rs = {r["task"]: r for r in rows if r["variant"] == v}
+            xs = [j + i * width for j in range(len(groups))]
+            left.bar(xs, [rs[t]["peak_bytes"] / GiB for t in groups], width, label=v)
+            right.bar(xs, [rs[t]["dynamic_ratio"] or 0 for t in groups], width, label=v)
+        for ax in (left, right):
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
+        left.set(ylabel="GiB", title="peak memory")
+        right.set(ylabel=f"{baseline} ÷ variant", title="dynamic memory ratio")
+    r0 = rows[0]
+    where = f"{r0['topology']} (per chip)" if r0["topology"] else r0["backend"]
+    fig.suptitle(f"{where}: B={r0['batch']} S={r0['seq_len']} T={r0['inner_steps']}")
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,46 @@
+"""The largest model on the size ladder whose outer step fits a TPU topology, per variant (`bench fit`).
+
+Each candidate is the Trainer's real outer step (task, meta-optimizer, FSDP over the topology's
+chips) compiled ahead of time by libtpu (`tpu_compile.compile_outer_step`). Peak memory grows with
+the ladder, so a binary search over it needs about log2(len(ladder)) compiles per variant; every
+compile tried is reported, with the bytes the compiler asked for when it did not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from metatrain.config import Config
+from metatrain.problem import Variant
+from metatrain.tpu_compile import compile_outer_step
+from models import LADDER, param_count, preset
+
+
+def largest_fitting(cfg: Config, variant: Variant, topology: str, ladder: list[str] | None = None,
+                    log: Callable[[str], None] = print, **model_changes) -> dict:
+    """{"variant", "largest" (name or None), "params", "tried": [compile reports]}."""
+    ladder = ladder or list(LADDER)
+    cfg = dataclasses.replace(cfg, mode=variant.mode, save_inner_grads=variant.save)
+    tried = []
+
+    def fits(name: str) -> bool:
+        model = preset(name, remat=variant.remat, **model_changes)
+        log(f"  {variant.name}: compiling {name} ({param_count(model) / 1e6:,.0f}M parameters) ...")
+        report = compile_outer_step(cfg, model, topology)
+        need = report.get("total_bytes", report.get("required_bytes"))
+        log(f"  {variant.name}: {name} {'fits' if report['fits'] else 'does NOT fit'}: {need / 2**30:.2f} of "
+            f"{report['hbm_bytes'] / 2**30:.2f} GiB")
+        tried.append(report | {"name": name, "params": param_count(model)})
+        return report["fits"]
+
+    lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(ladder[mid]):
+            lo = mid
+        else:
+            hi = mid
+    largest = ladder[lo] if lo >= 0 else None
+    return {"variant": variant.name, "largest": largest,
+            "params": param_count(preset(largest)) if largest else 0, "tried": tried}
