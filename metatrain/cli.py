@@ -21,17 +21,24 @@ def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batc
     p.add_argument("--model", default=model, help="a preset: tiny, small, bench, or a ladder size (44m ... 16b)")
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, default=None, help=f"override the preset's {field}")
+    p.add_argument("--attention", choices=["dense", "blockwise"], default=None, help="override the preset's")
+    p.add_argument("--attention-block", type=int, default=None, help="block size of blockwise attention")
     p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--inner-steps", type=int, default=inner_steps)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
+def _model_options(args) -> dict:
+    """Model options that apply to any preset (ladder grids included)."""
+    return {f: getattr(args, f) for f in ("attention", "attention_block") if getattr(args, f, None) is not None}
+
+
 def _model(args, **extra):
     import models
 
     overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
-    return models.preset(args.model, **overrides, **extra)
+    return models.preset(args.model, **overrides, **_model_options(args), **extra)
 
 
 def _shapes(args):
@@ -104,7 +111,7 @@ def cmd_bench_memory(args) -> int:
         configs = [(_model(args, n_layers=n), shapes) for n in args.layers]
     elif args.grid == "ladder":
         ladder = [m.strip() for m in (args.models or LADDER_DEFAULT).split(",")]
-        configs = [(models.preset(m), shapes) for m in ladder]
+        configs = [(models.preset(m, **_model_options(args)), shapes) for m in ladder]
         names = {models.param_count(m): name for name, (m, _) in zip(ladder, configs)}
     else:  # tasks
         configs = [(_model(args), shapes)]

@@ -31,6 +31,8 @@ class ModelConfig:
     remat: bool = False  # rematerialise each block in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
     param_dtype: str = "float32"
+    attention: str = "dense"  # dense | blockwise (online softmax over key blocks: no [batch, heads, S, S])
+    attention_block: int = 512  # query and key block size of blockwise attention
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):
@@ -48,6 +50,10 @@ class ModelConfig:
             raise ValueError(f"model.head must be one of {HEADS}, got {self.head!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        if self.attention not in ("dense", "blockwise"):
+            raise ValueError(f"model.attention must be dense or blockwise, got {self.attention!r}")
+        if self.attention_block <= 0:
+            raise ValueError(f"model.attention_block must be > 0, got {self.attention_block}")
         if self.param_dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"model.param_dtype must be float32, float64 or bfloat16, got {self.param_dtype!r}")
 

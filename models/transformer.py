@@ -63,6 +63,59 @@ def dense_attention(q, k, v, mask):
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
+def blockwise_attention(q, k, v, segment_ids, block: int):
+    """Causal attention over key/value blocks with an online (running max, running sum) softmax.
+
+    Equal to `dense_attention` with `attention_mask(segment_ids)`, but the largest score buffer is
+    [batch, heads, block, block]: queries go block by block (a `lax.map`), and for each query block a
+    `lax.scan` over key blocks carries the running max `m`, sum `l` and output `acc`. Both loop bodies
+    are rematerialised, so reverse mode keeps only the blocks' inputs and carries, O(S·heads·k), never
+    [batch, heads, S, S]; forward mode and forward-over-reverse differentiate the same plain JAX.
+    FLOPs: the same score and value products as dense (all S x S, masked ones included), plus their
+    recomputation in the backward pass. S need not be a multiple of `block` (padded, then cut).
+
+    q, k, v: [batch, seq, heads, k]; segment_ids: [batch, seq] → [batch, seq, heads, k].
+    """
+    b, s, h, d = q.shape
+    block = min(block, s)
+    n = -(-s // block)
+    pad = n * block - s
+    q = q * jnp.asarray(d**-0.5, q.dtype)
+    blocks = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+        (b, n, block) + x.shape[2:]), 1, 0)  # [n, batch, block, ...]
+    qb, kb, vb, segb = blocks(q), blocks(k), blocks(v), blocks(segment_ids)
+    posb = jnp.arange(n * block).reshape(n, block)
+    f = compute_dtype(q.dtype)
+
+    @jax.checkpoint
+    def query_block(args):
+        qi, seg_q, pos_q = args  # [batch, block, heads, k], [batch, block], [block]
+
+        @jax.checkpoint
+        def key_block(carry, kv):
+            m, l, acc = carry  # [batch, heads, block], same, [batch, heads, block, k]
+            kj, vj, seg_k, pos_k = kv
+            scores = jnp.einsum("bqhk,bshk->bhqs", qi, kj, preferred_element_type=f)  # [batch, heads, bq, bs]
+            mask = ((pos_q[:, None] >= pos_k[None, :]) & (pos_k < s)[None, :])[None, None] & (
+                seg_q[:, None, :, None] == seg_k[:, None, None, :])
+            scores = jnp.where(mask, scores, jnp.finfo(f).min)  # before exp: no inf whose 0-gradient is NaN
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            acc = acc * scale[..., None] + jnp.einsum("bhqs,bshk->bhqk", p.astype(v.dtype), vj,
+                                                       preferred_element_type=f)
+            return (m_new, l * scale + p.sum(-1), acc), None
+
+        init = (jnp.full((b, h, block), jnp.finfo(f).min, f), jnp.zeros((b, h, block), f),
+                jnp.zeros((b, h, block, d), f))
+        (m, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, segb, posb))
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # padded query rows see no key: 0, not NaN
+        return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [batch, block, heads, k]
+
+    out = jax.lax.map(query_block, (qb, segb, posb))  # [n, batch, block, heads, k]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block, h, d)[:, :s]
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dt = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.dtype
@@ -73,12 +126,17 @@ class Attention(nnx.Module):
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
         self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
         self.rope_base = cfg.rope_base
+        self.kind, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
         q = rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...]), positions, self.rope_base)
         k = rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...]), positions, self.rope_base)
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
-        return jnp.einsum("bshk,hkd->bsd", dense_attention(q, k, v, attention_mask(segment_ids)), self.wo[...])
+        if self.kind == "blockwise":
+            out = blockwise_attention(q, k, v, segment_ids, self.block)
+        else:
+            out = dense_attention(q, k, v, attention_mask(segment_ids))
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
 
 
 class MLP(nnx.Module):
