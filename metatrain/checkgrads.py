@@ -42,7 +42,7 @@ def _directional_fd(f: Callable[[float], jax.Array], eps: float, n_steps: int = 
 
 def check_grads(task_name: str, model: ModelConfig, shapes: Shapes, *, seed: int = 0, directions: int = 3,
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
-                perturb: float = 0.05, modes=("default", "mixflow", "revfwd"),
+                perturb: float = 0.05, modes=("default", "mixflow", "revfwd"), inner_checkpoint: str = "every_step",
                 progress: Callable = lambda it, **_: it) -> list[Result]:
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -70,7 +70,8 @@ def check_grads(task_name: str, model: ModelConfig, shapes: Shapes, *, seed: int
     fd = jnp.stack([_directional_fd(lambda h: value(unravel(flat + h * u)), eps) for u in dirs])
 
     results, ref = [], None
-    todo = [Variant("default", False, False)] + [v for v in variants(modes) if v != Variant("default", False, False)]
+    plain = Variant("default", False, False)  # the reference: plain reverse-over-reverse, every step kept
+    todo = [plain] + [v for v in variants(modes, inner_checkpoint) if v != plain]
     for v in progress(todo, desc="variants"):
         task = build_task(task_name, model, remat=v.remat, inner_lr=inner_lr)
         _, grad = jax.jit(meta_value_and_grad(task, v.unroll))(meta, inner, batches, outer_batch)

@@ -23,6 +23,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batc
         p.add_argument(flag, dest=field, type=int, default=None, help=f"override the preset's {field}")
     p.add_argument("--attention", choices=["dense", "blockwise"], default=None, help="override the preset's")
     p.add_argument("--attention-block", type=int, default=None, help="block size of blockwise attention")
+    p.add_argument("--inner-checkpoint", choices=["every_step", "sqrt", "binomial"], default="every_step",
+                   help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
     p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--inner-steps", type=int, default=inner_steps)
@@ -63,7 +65,8 @@ def cmd_check_grads(args) -> int:
           f"V={model.vocab_size}) T={shapes.inner_steps} B={shapes.batch} S={shapes.seq_len}, float64")
     results = checkgrads.check_grads(args.task, model, shapes, seed=args.seed, directions=args.directions,
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
-                                     modes=tuple(args.modes.split(",")), progress=_progress)
+                                     modes=tuple(args.modes.split(",")), inner_checkpoint=args.inner_checkpoint,
+                                     progress=_progress)
     print(f"{'variant':<22} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
     for r in results:
         print(f"{r.variant:<22} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
@@ -106,7 +109,7 @@ def cmd_bench_memory(args) -> int:
     names = {}
     if args.grid == "ablation":
         configs = [(_model(args), shapes)]
-        default_variants = ",".join(v.name for v in variants(("default", "mixflow")))
+        default_variants = ",".join(v.name for v in variants(("default", "mixflow"), "every_step"))
     elif args.grid == "layers":
         configs = [(_model(args, n_layers=n), shapes) for n in args.layers]
     elif args.grid == "ladder":
@@ -116,7 +119,7 @@ def cmd_bench_memory(args) -> int:
     else:  # tasks
         configs = [(_model(args), shapes)]
         tasks = [t.strip() for t in args.tasks.split(",")]
-    chosen = [parse_variant(v) for v in (args.variants or default_variants).split(",")]
+    chosen = [parse_variant(v, args.inner_checkpoint) for v in (args.variants or default_variants).split(",")]
     if args.baseline not in {v.name for v in chosen}:
         chosen.insert(0, parse_variant(args.baseline))
     where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
@@ -140,7 +143,7 @@ def cmd_bench_time(args) -> int:
 
     import jax
 
-    chosen = [parse_variant(v) for v in args.variants.split(",")]
+    chosen = [parse_variant(v, args.inner_checkpoint) for v in args.variants.split(",")]
     if args.baseline not in {v.name for v in chosen}:
         chosen.insert(0, parse_variant(args.baseline))
     model, shapes = _model(args), _shapes(args)

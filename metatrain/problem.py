@@ -15,31 +15,36 @@ from models import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to compute the meta-gradient: mode × block remat × saved inner gradients."""
+    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints)."""
 
     mode: str
     remat: bool
     save: bool
+    inner_checkpoint: str = "every_step"
 
     @property
     def name(self) -> str:
-        return self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "")
+        schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
+        return self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
 
     @property
     def unroll(self) -> Unroll:
-        return Unroll(mode=self.mode, save_inner_grads=self.save)
+        return Unroll(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint)
 
 
-def variants(modes=("default", "mixflow", "revfwd")) -> list[Variant]:
-    return [Variant(m, r, s) for m, r, s in itertools.product(modes, (False, True), (False, True))]
+def variants(modes=("default", "mixflow", "revfwd"), inner_checkpoint: str = "every_step") -> list[Variant]:
+    return [Variant(m, r, s, inner_checkpoint) for m, r, s in itertools.product(modes, (False, True), (False, True))]
 
 
-def parse_variant(name: str) -> Variant:
+def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
+    """`MODE[+remat][+save][+sqrt|+binomial]`; the schedule in the name wins over `inner_checkpoint`."""
     mode, *opts = name.split("+")
-    unknown = set(opts) - {"remat", "save"}
+    unknown = set(opts) - {"remat", "save", "sqrt", "binomial"}
     if unknown:
-        raise ValueError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use MODE[+remat][+save]")
-    return Variant(mode, "remat" in opts, "save" in opts)
+        raise ValueError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; "
+                         "use MODE[+remat][+save][+sqrt|+binomial]")
+    schedule = next((o for o in opts if o in ("sqrt", "binomial")), inner_checkpoint)
+    return Variant(mode, "remat" in opts, "save" in opts, schedule)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,7 +111,8 @@ class Trainer:
         self._outer_sharding = batch_sharding(self.mesh)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
         self.mode_choice = self._choose_mode(replicated) if cfg.mode == "auto" else None
-        self.unroll = Unroll(self.mode_choice["mode"] if self.mode_choice else cfg.mode, cfg.save_inner_grads)
+        self.unroll = Unroll(self.mode_choice["mode"] if self.mode_choice else cfg.mode, cfg.save_inner_grads,
+                             cfg.inner_checkpoint)
         self._step = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
         self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
                                   out_shardings=replicated)
@@ -201,7 +202,7 @@ class Trainer:
         state = abstract(self.state, self.state_shardings)
         figures = {}
         for mode in MODES:
-            self.unroll = Unroll(mode, self.cfg.save_inner_grads)
+            self.unroll = Unroll(mode, self.cfg.save_inner_grads, self.cfg.inner_checkpoint)
             compiled = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated)
                                ).lower(state, *self.abstract_batches()).compile()
             mem, cost = compiled.memory_analysis(), compiled.cost_analysis()

@@ -9,9 +9,11 @@ kept by the checkpoint policy), which saves one inner backward pass per step at 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from metatrain import mixflow
@@ -20,16 +22,29 @@ from metatrain.tasks import Task
 INNER_GRADS = "inner_grads"
 
 
+INNER_CHECKPOINTS = ("every_step", "sqrt", "binomial")
+
+
 @dataclasses.dataclass(frozen=True)
 class Unroll:
-    """How the meta-gradient is computed. Block remat is a model option (`ModelConfig.remat`)."""
+    """How the meta-gradient is computed. Block remat is a model option (`ModelConfig.remat`).
+
+    `inner_checkpoint` says which inner states the forward pass keeps for the backward pass:
+    `every_step` all T; `sqrt` the starts of ⌈T/k⌉ segments of k = ⌈√T⌉ steps, each segment re-run
+    in the backward pass (T extra inner steps); `binomial` recursive halving down to parts of two
+    steps, each level re-run (about T·(log2(T) - 1) extra inner steps), keeping O(log T) states at
+    any time. Saved inner gradients are kept for the steps of the part being differentiated.
+    """
 
     mode: str = "mixflow"
     save_inner_grads: bool = True
+    inner_checkpoint: str = "every_step"
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
             raise ValueError(f"unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
+        if self.inner_checkpoint not in INNER_CHECKPOINTS:
+            raise ValueError(f"unknown inner_checkpoint {self.inner_checkpoint!r}; choose one of {INNER_CHECKPOINTS}")
 
 
 @dataclasses.dataclass
@@ -58,10 +73,51 @@ def outer_loss(task: Task, unroll: Unroll) -> Callable:
 
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
-        final, inner_losses = jax.lax.scan(lambda c, b: step(c, b, meta), start, batches)
+        final, inner_losses = unrolled(lambda c, b: step(c, b, meta), start, batches, unroll.inner_checkpoint)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
+
+
+def segments(n_steps: int, schedule: str) -> list[int]:
+    """Lengths of the segments whose start states the forward pass keeps (every_step: all steps are kept)."""
+    if schedule == "every_step" or n_steps <= 2:
+        return [1] * n_steps
+    if schedule == "sqrt":
+        k = math.ceil(math.sqrt(n_steps))
+        return [k] * (n_steps // k) + ([n_steps % k] if n_steps % k else [])
+    return [n_steps // 2, n_steps - n_steps // 2] if n_steps > 2 else [1] * n_steps  # binomial: the top halves
+
+
+def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
+    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `Unroll`)."""
+    n = jax.tree.leaves(batches)[0].shape[0]
+    if schedule == "every_step" or n <= 2:
+        return jax.lax.scan(step, carry, batches)
+    if schedule == "sqrt":
+        segment = jax.checkpoint(lambda c, b: jax.lax.scan(step, c, b),
+                                 policy=jax.checkpoint_policies.nothing_saveable)
+        k = math.ceil(math.sqrt(n))
+        full = n // k  # segments of k steps, scanned; then the remainder as one more segment
+        split = jax.tree.map(lambda x: x[:full * k].reshape((full, k) + x.shape[1:]), batches)
+        carry, losses = jax.lax.scan(segment, carry, split)
+        losses = losses.reshape((full * k,) + losses.shape[2:])
+        if n % k:
+            carry, rest = segment(carry, jax.tree.map(lambda x: x[full * k:], batches))
+            losses = jnp.concatenate([losses, rest])
+        return carry, losses
+
+    def halves(c, b):  # binomial: each half checkpointed, recursively, down to parts of <= 2 steps
+        m = jax.tree.leaves(b)[0].shape[0]
+        if m <= 2:
+            return jax.lax.scan(step, c, b)
+        part = lambda lo, hi: jax.tree.map(lambda x: x[lo:hi], b)
+        c, first = checkpointed(c, part(0, m // 2))
+        c, second = checkpointed(c, part(m // 2, m))
+        return c, jnp.concatenate([first, second])
+
+    checkpointed = jax.checkpoint(halves, policy=jax.checkpoint_policies.nothing_saveable)
+    return halves(carry, batches)
 
 
 def meta_value_and_grad(task: Task, unroll: Unroll) -> Callable:

@@ -1,0 +1,48 @@
+"""Inner-checkpoint schedules: the same unrolled loop and meta-gradient as keeping every step, fewer kept states."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metatrain import mixflow
+from metatrain.unroll import segments, unrolled
+
+jax.config.update("jax_enable_x64", True)
+
+
+def inner_loss(theta, eta, x):
+    return jnp.sum(jnp.exp(eta) * jnp.tanh(x @ theta) ** 2) + 0.5 * jnp.sum(theta**2) * eta.sum()
+
+
+def outer(eta, theta0, xs, schedule, mode):
+    vg = mixflow.value_and_grad(inner_loss, mode)
+
+    def step(theta, x):
+        loss, g = vg(theta, eta, x)
+        return theta - 0.1 * g, loss
+
+    theta, losses = unrolled(jax.checkpoint(step), theta0, xs, schedule)
+    return jnp.sum(theta**3) + 0.1 * losses.sum()
+
+
+@pytest.mark.parametrize("n_steps", [7, 16])  # 7: sqrt has a short last segment, binomial odd halves
+@pytest.mark.parametrize("schedule", ["sqrt", "binomial"])
+@pytest.mark.parametrize("mode", ["default", "mixflow"])
+def test_same_meta_gradient_as_every_step(n_steps, schedule, mode):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
+    xs = jax.random.normal(k3, (n_steps, 5, 4))
+    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "every_step", "default")
+    got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, schedule, mode)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+    value = lambda s: float(outer(eta, theta0, xs, s, mode))
+    assert value(schedule) == pytest.approx(value("every_step"), rel=1e-14)
+
+
+def test_kept_states():
+    assert segments(16, "every_step") == [1] * 16
+    assert segments(16, "sqrt") == [4, 4, 4, 4] and segments(10, "sqrt") == [4, 4, 2]
+    assert segments(16, "binomial") == [8, 8] and sum(segments(7, "binomial")) == 7
+    assert segments(2, "sqrt") == [1, 1]  # two steps: nothing to save by re-running
