@@ -21,12 +21,17 @@ def test_builtin_tasks_all_variants(task):
         assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6 and r.ok, r
 
 
-def test_cli_maml_writes_json_and_exits_zero(tmp_path, capsys):
+def test_cli_maml_blockwise_sqrt_writes_json_and_exits_zero(tmp_path, capsys):
+    """MAML with blockwise attention (3 blocks over S=8, the last padded), 8 variants with the sqrt schedule
+    over T=5, against plain reverse-over-reverse keeping every step, and finite differences."""
     out = tmp_path / "grads.json"
-    assert cli.main(["check-grads", "--task", "maml", "--json", str(out)]) == 0
+    assert cli.main(["check-grads", "--task", "maml", "--attention", "blockwise", "--attention-block", "3",
+                     "--inner-steps", "5", "--inner-checkpoint", "sqrt", "--modes", "default,mixflow",
+                     "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert len(report["results"]) == 12 and all(r["ok"] for r in report["results"])
-    assert "all 12 variants within tolerance" in capsys.readouterr().out
+    assert len(report["results"]) == 9 and all(r["ok"] for r in report["results"])
+    assert "mixflow+remat+save+sqrt" in {r["variant"] for r in report["results"]}
+    assert "all 9 variants within tolerance" in capsys.readouterr().out
 
 
 @jax.custom_vjp
