@@ -49,7 +49,7 @@ def check_grads(task_name: str, model: ModelConfig, shapes: Shapes, *, seed: int
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
     if not jax.config.jax_enable_x64:
         raise RuntimeError("check_grads needs float64: call metatrain.checkgrads.enable_float64() first")
-    model = model.replace(param_dtype="float64")
+    model = model.replace(param_dtype="float64", compute_dtype="")  # the float64 path, whatever was asked
     k_meta, k_inner, k_noise, k_data, k_dir = jax.random.split(jax.random.key(seed), 5)
     ref_task = build_task(task_name, model, remat=False, inner_lr=inner_lr)
     meta = ref_task.init_meta(k_meta)

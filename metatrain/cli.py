@@ -23,6 +23,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batc
         p.add_argument(flag, dest=field, type=int, default=None, help=f"override the preset's {field}")
     p.add_argument("--attention", choices=["dense", "blockwise"], default=None, help="override the preset's")
     p.add_argument("--attention-block", type=int, default=None, help="block size of blockwise attention")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32)")
     p.add_argument("--inner-checkpoint", choices=["every_step", "sqrt", "binomial"], default="every_step",
                    help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
     p.add_argument("--seq-len", type=int, default=seq_len)
@@ -33,7 +35,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batc
 
 def _model_options(args) -> dict:
     """Model options that apply to any preset (ladder grids included)."""
-    return {f: getattr(args, f) for f in ("attention", "attention_block") if getattr(args, f, None) is not None}
+    return {f: getattr(args, f) for f in ("attention", "attention_block", "compute_dtype")
+            if getattr(args, f, None) is not None}
 
 
 def _model(args, **extra):

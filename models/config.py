@@ -31,6 +31,7 @@ class ModelConfig:
     remat: bool = False  # rematerialise each block in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
     param_dtype: str = "float32"
+    compute_dtype: str = ""  # matmuls and activations ("" = param_dtype); softmax and losses stay >= float32
     attention: str = "dense"  # dense | blockwise (online softmax over key blocks: no [batch, heads, S, S])
     attention_block: int = 512  # query and key block size of blockwise attention
 
@@ -54,6 +55,9 @@ class ModelConfig:
             raise ValueError(f"model.attention must be dense or blockwise, got {self.attention!r}")
         if self.attention_block <= 0:
             raise ValueError(f"model.attention_block must be > 0, got {self.attention_block}")
+        if self.compute_dtype not in ("", "float32", "float64", "bfloat16"):
+            raise ValueError(f"model.compute_dtype must be float32, bfloat16 or empty (= param_dtype), "
+                             f"got {self.compute_dtype!r}")
         if self.param_dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"model.param_dtype must be float32, float64 or bfloat16, got {self.param_dtype!r}")
 
@@ -64,6 +68,10 @@ class ModelConfig:
     @property
     def dtype(self):
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def activation_dtype(self):
+        return jnp.dtype(self.compute_dtype or self.param_dtype)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

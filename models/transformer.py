@@ -32,7 +32,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):  # [..., d_model]
         x32 = x.astype(compute_dtype(x.dtype))
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return (y * self.scale[...].astype(y.dtype)).astype(x.dtype)
 
 
 def rope(x, positions, base: float):
@@ -129,14 +129,14 @@ class Attention(nnx.Module):
         self.kind, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
-        q = rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...]), positions, self.rope_base)
-        k = rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...]), positions, self.rope_base)
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
+        q = rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(x.dtype)), positions, self.rope_base)
+        k = rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(x.dtype)), positions, self.rope_base)
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(x.dtype))
         if self.kind == "blockwise":
             out = blockwise_attention(q, k, v, segment_ids, self.block)
         else:
             out = dense_attention(q, k, v, attention_mask(segment_ids))
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype))
 
 
 class MLP(nnx.Module):
@@ -146,7 +146,7 @@ class MLP(nnx.Module):
         self.w_out = _param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.dtype)
 
     def __call__(self, x):  # [batch, seq, d_model]
-        return jax.nn.gelu(x @ self.w_in[...]) @ self.w_out[...]
+        return jax.nn.gelu(x @ self.w_in[...].astype(x.dtype)) @ self.w_out[...].astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -192,7 +192,7 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [batch, seq, d_model]
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.activation_dtype)  # [batch, seq, d_model]
 
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -207,9 +207,9 @@ class Transformer(nnx.Module):
         if self.cfg.head == "score":
             valid = (segment_ids > 0).astype(x.dtype)[..., None]  # [batch, seq, 1]
             pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)  # [batch, d_model]
-            return (pooled @ self.out[...])[:, 0]  # [batch]
+            return (pooled @ self.out[...].astype(x.dtype))[:, 0]  # [batch]
         w_out = self.embed[...].T if self.cfg.tie_embeddings else self.out[...]
-        return x @ w_out  # [batch, seq, vocab]
+        return x @ w_out.astype(x.dtype)  # [batch, seq, vocab]: the loss takes it to float32
 
 
 def next_token_loss(logits, tokens_out, segment_ids=None):
