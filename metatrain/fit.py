@@ -29,7 +29,8 @@ def largest_fitting(cfg: Config, variant: Variant, topology: str, ladder: list[s
         log(f"  {variant.name}: compiling {name} ({param_count(model) / 1e6:,.0f}M parameters) ...")
         report = compile_outer_step(cfg, model, topology)
         need = report.get("total_bytes", report.get("required_bytes"))
-        edge = " (the compiler accepts it: its own accounting)" if report["fits"] and need > report["hbm_bytes"] else ""
+        edge = " (compiles, but arguments + temporaries pass the HBM)" if "total_bytes" in report and not report[
+            "fits"] else ""
         log(f"  {variant.name}: {name} {'fits' if report['fits'] else 'does NOT fit'}: {need / 2**30:.2f} of "
             f"{report['hbm_bytes'] / 2**30:.2f} GiB{edge}")
         tried.append(report | {"name": name, "params": param_count(model)})

@@ -12,8 +12,9 @@ and compiled, for this machine's CPU or for a TPU topology (libtpu, no TPU neede
 
 The checkpoint bytes are counted from the inner state's shapes (XLA keeps them inside `temp`). On a
 TPU topology every figure is per chip (FSDP over all chips). A program over the chip's HBM does not
-compile there; its row carries the peak the compiler asked for (`fits: false`), with static bytes
-counted from shapes and temp unknown.
+compile there; its row carries the bytes the compiler asked for as the peak (`fits: false`), with static
+bytes counted from shapes and temp unknown. The compiler refuses a program when its temporaries pass the
+HBM: one that compiles can still be over HBM with its arguments, so `fits` is always peak <= HBM.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def profile(task_name: str, model: ModelConfig, shapes: Shapes, variant: Variant
     io = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     peak = io + mem.temp_size_in_bytes
     return row | {
-        "fits": None if hbm is None else True,  # the TPU compiler refuses programs over HBM (see above)
+        "fits": None if hbm is None else peak <= hbm,  # the compiler refuses only over-HBM *temporaries*
         "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
         "peak_bytes": peak, "static_bytes": io + row["checkpoint_bytes"],
