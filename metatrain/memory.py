@@ -30,8 +30,6 @@ from metatrain.sharding import abstract, batch_sharding, device_bytes, make_mesh
 from metatrain.unroll import meta_value_and_grad, segments
 from models import ModelConfig, param_count
 
-state_bytes = device_bytes  # without shardings: whole arrays
-
 
 def _on_mesh(tree, mesh):
     return None if tree is None else abstract(tree, tree_shardings(tree, mesh))
