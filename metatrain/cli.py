@@ -98,10 +98,21 @@ def _progress_lines(it, desc=""):
         yield item
 
 
+def _variants(args, names: str) -> list:
+    """The comma-listed variants (with --inner-checkpoint unless a name says +sqrt/+binomial), baseline first
+    when it is not among them."""
+    from metatrain.problem import parse_variant
+
+    chosen = [parse_variant(v, args.inner_checkpoint) for v in names.split(",")]
+    if args.baseline not in {v.name for v in chosen}:
+        chosen.insert(0, parse_variant(args.baseline))
+    return chosen
+
+
 def cmd_bench_memory(args) -> int:
     import models
     from metatrain import bench_report, memory
-    from metatrain.problem import parse_variant, variants
+    from metatrain.problem import variants
 
     topology = args.topology or ("v5p:1x1x1" if args.backend == "tpu" else None)
     if topology and args.backend != "tpu":
@@ -122,9 +133,7 @@ def cmd_bench_memory(args) -> int:
     else:  # tasks
         configs = [(_model(args), shapes)]
         tasks = [t.strip() for t in args.tasks.split(",")]
-    chosen = [parse_variant(v, args.inner_checkpoint) for v in (args.variants or default_variants).split(",")]
-    if args.baseline not in {v.name for v in chosen}:
-        chosen.insert(0, parse_variant(args.baseline))
+    chosen = _variants(args, args.variants or default_variants)
     where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
     print(f"bench memory: grid={args.grid} on {where}, {len(tasks) * len(configs) * len(chosen)} compiles, "
           f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps}", flush=True)
@@ -142,13 +151,10 @@ def cmd_bench_memory(args) -> int:
 
 def cmd_bench_time(args) -> int:
     from metatrain import steptime
-    from metatrain.problem import parse_variant
 
     import jax
 
-    chosen = [parse_variant(v, args.inner_checkpoint) for v in args.variants.split(",")]
-    if args.baseline not in {v.name for v in chosen}:
-        chosen.insert(0, parse_variant(args.baseline))
+    chosen = _variants(args, args.variants)
     model, shapes = _model(args), _shapes(args)
     print(f"bench time: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}) "
           f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps} on {jax.default_backend()} "

@@ -18,14 +18,14 @@ from models import LADDER, param_count, preset
 
 
 def largest_fitting(cfg: Config, variant: Variant, topology: str, ladder: list[str] | None = None,
-                    log: Callable[[str], None] = print, **model_changes) -> dict:
+                    log: Callable[[str], None] = print) -> dict:
     """{"variant", "largest" (name or None), "params", "tried": [compile reports]}."""
     ladder = ladder or list(LADDER)
     cfg = dataclasses.replace(cfg, mode=variant.mode, save_inner_grads=variant.save)
     tried = []
 
     def fits(name: str) -> bool:
-        model = preset(name, remat=variant.remat, **model_changes)
+        model = preset(name, remat=variant.remat)
         log(f"  {variant.name}: compiling {name} ({param_count(model) / 1e6:,.0f}M parameters) ...")
         report = compile_outer_step(cfg, model, topology)
         need = report.get("total_bytes", report.get("required_bytes"))

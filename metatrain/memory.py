@@ -31,6 +31,16 @@ from metatrain.unroll import meta_value_and_grad, segments
 from models import ModelConfig, param_count
 
 
+def compiled_memory(compiled) -> dict:
+    """A compiled program's buffer sizes, its peak (arguments + outputs - aliased + temp) and XLA's FLOPs."""
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    sizes = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
+    peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
+    return sizes | {"peak_bytes": peak, "flops": float((cost or {}).get("flops", 0.0))}
+
+
 def _on_mesh(tree, mesh):
     return None if tree is None else abstract(tree, tree_shardings(tree, mesh))
 
@@ -86,18 +96,11 @@ def profile(task_name: str, model: ModelConfig, shapes: Shapes, variant: Variant
                       "temp_bytes": None, "argument_bytes": None, "output_bytes": None, "alias_bytes": None,
                       "flops": None, "compile_s": round(time.perf_counter() - start, 2)}
     seconds = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    io = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    peak = io + mem.temp_size_in_bytes
-    return row | {
-        "fits": None if hbm is None else peak <= hbm,  # the compiler refuses only over-HBM *temporaries*
-        "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
-        "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-        "peak_bytes": peak, "static_bytes": io + row["checkpoint_bytes"],
-        "dynamic_bytes": peak - io - row["checkpoint_bytes"], "flops": float((cost or {}).get("flops", 0.0)),
-        "compile_s": round(seconds, 2),
+    m = compiled_memory(compiled)
+    static = m["peak_bytes"] - m["temp_bytes"] + row["checkpoint_bytes"]
+    return row | m | {
+        "fits": None if hbm is None else m["peak_bytes"] <= hbm,  # the compiler refuses only over-HBM *temporaries*
+        "static_bytes": static, "dynamic_bytes": m["peak_bytes"] - static, "compile_s": round(seconds, 2),
     }
 
 

@@ -15,6 +15,7 @@ import re
 import jax
 
 from metatrain.config import Config
+from metatrain.memory import compiled_memory
 from metatrain.sharding import abstract, device_bytes, make_mesh, tree_shardings
 from metatrain.trainer import Trainer, meta_optimizer
 from metatrain.unroll import Unroll
@@ -87,11 +88,9 @@ def compile_outer_step(cfg: Config, model: ModelConfig, topology: str) -> dict:
         if need is None:
             raise
         return report | {"fits": False, "required_bytes": need, "message": str(e).splitlines()[0][:300]}
-    mem = compiled.memory_analysis()
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes)
+    m = compiled_memory(compiled)
     # the compiler refuses a program whose temporaries pass the HBM; with its arguments it can still be over
-    return report | {"fits": total <= hbm, "argument_bytes": mem.argument_size_in_bytes,
-                     "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-                     "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total,
+    return report | {"fits": m["peak_bytes"] <= hbm, "argument_bytes": m["argument_bytes"],
+                     "output_bytes": m["output_bytes"], "alias_bytes": m["alias_bytes"],
+                     "temp_bytes": m["temp_bytes"], "total_bytes": m["peak_bytes"],
                      "state_bytes_per_device": device_bytes(state)}

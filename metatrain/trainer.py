@@ -110,9 +110,8 @@ class Trainer:
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
-        self.mode_choice = self._choose_mode(replicated) if cfg.mode == "auto" else None
-        self.unroll = Unroll(self.mode_choice["mode"] if self.mode_choice else cfg.mode, cfg.save_inner_grads,
-                             cfg.inner_checkpoint)
+        mode = self._choose_mode(replicated)["mode"] if cfg.mode == "auto" else cfg.mode
+        self.unroll = Unroll(mode, cfg.save_inner_grads, cfg.inner_checkpoint)
         self._step = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
         self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
                                   out_shardings=replicated)
@@ -197,6 +196,7 @@ class Trainer:
     def _choose_mode(self, replicated) -> dict:
         """mode=auto: compile the outer step ahead of time in every mode and keep the one with the lowest peak
         memory; modes within 1% of the lowest peak count as tied and the fewest FLOPs wins among them."""
+        from metatrain.memory import compiled_memory
         from metatrain.mixflow import MODES
 
         state = abstract(self.state, self.state_shardings)
@@ -205,11 +205,8 @@ class Trainer:
             self.unroll = Unroll(mode, self.cfg.save_inner_grads, self.cfg.inner_checkpoint)
             compiled = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated)
                                ).lower(state, *self.abstract_batches()).compile()
-            mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            figures[mode] = {"peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
-                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes,
-                             "flops": float((cost or {}).get("flops", 0.0))}
+            m = compiled_memory(compiled)
+            figures[mode] = {"peak_bytes": m["peak_bytes"], "flops": m["flops"]}
         lowest = min(f["peak_bytes"] for f in figures.values())
         tied = [m for m in MODES if figures[m]["peak_bytes"] <= 1.01 * lowest]
         choice = {"mode": min(tied, key=lambda m: figures[m]["flops"]), "candidates": figures}
