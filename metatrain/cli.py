@@ -21,16 +21,22 @@ def _add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batc
     p.add_argument("--model", default=model, help="a preset: tiny, small, bench, or a ladder size (44m ... 16b)")
     for field, flag in MODEL_FLAGS.items():
         p.add_argument(flag, dest=field, type=int, default=None, help=f"override the preset's {field}")
-    p.add_argument("--attention", choices=["dense", "blockwise"], default=None, help="override the preset's")
-    p.add_argument("--attention-block", type=int, default=None, help="block size of blockwise attention")
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32)")
-    p.add_argument("--inner-checkpoint", choices=["every_step", "sqrt", "binomial"], default="every_step",
-                   help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
+    _add_model_option_args(p)
     p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--inner-steps", type=int, default=inner_steps)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def _add_model_option_args(p: argparse.ArgumentParser):
+    p.add_argument("--attention", choices=["dense", "blockwise"], default=None,
+                   help="override the preset's (a variant's +blockwise wins)")
+    p.add_argument("--attention-block", type=int, default=None, help="block size of blockwise attention")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32); "
+                        "a variant's +bf16 wins")
+    p.add_argument("--inner-checkpoint", choices=["every_step", "sqrt", "binomial"], default="every_step",
+                   help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
 
 
 def _model_options(args) -> dict:
@@ -176,17 +182,23 @@ def cmd_bench_fit(args) -> int:
                                  f"data.inner_steps={args.inner_steps}", "mesh.fsdp=-1", "mesh.data=-1",
                                  *args.overrides])
     ladder = [m.strip() for m in args.models.split(",")] if args.models else None
+    chosen = [parse_variant(v, args.inner_checkpoint) for v in args.variants.split(",")]
     print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
-          f"T={cfg.data.inner_steps}, binary search over the size ladder (each compile takes minutes)", flush=True)
-    results = [largest_fitting(cfg, parse_variant(v), args.topology, ladder,
-                               log=lambda line: print(line, flush=True)) for v in args.variants.split(",")]
+          f"T={cfg.data.inner_steps}, variants {', '.join(v.name for v in chosen)}: binary search over the size "
+          f"ladder (each compile takes minutes)", flush=True)
+    results = []
+    for v in chosen:
+        results.append(largest_fitting(cfg, v, args.topology, ladder, log=lambda line: print(line, flush=True),
+                                       **_model_options(args)))
+        _write_json(args.json, {"topology": args.topology, "results": results})  # keep what is done
     for r in results:
         print(f"largest that fits, {r['variant']}: " + (f"{r['largest']} ({r['params'] / 1e6:,.0f}M parameters)"
                                                         if r["largest"] else "none of the ladder"))
-    if len(results) == 2 and results[0]["params"]:
-        print(f"ratio of parameter counts ({results[1]['variant']} / {results[0]['variant']}): "
-              f"{results[1]['params'] / results[0]['params']:.2f}x")
-    _write_json(args.json, {"topology": args.topology, "results": results})
+    first = results[0]
+    for r in results[1:]:
+        if first["params"] and r["params"]:
+            print(f"ratio of parameter counts ({r['variant']} / {first['variant']}): "
+                  f"{r['params'] / first['params']:.2f}x")
     return 0
 
 
@@ -427,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1")
     p.add_argument("--variants", default="default+remat,mixflow+remat+save",
-                   help="two variants: the baseline first, then the one to compare")
+                   help="the baseline first, then those to compare with it, e.g. "
+                        "default+remat,mixflow+remat+save+sqrt+blockwise+bf16")
+    _add_model_option_args(p)
     p.add_argument("--models", default=None, help="the ladder to search, in size order (default: all presets)")
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
     p.set_defaults(fn=cmd_bench_fit)

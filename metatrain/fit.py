@@ -18,14 +18,16 @@ from models import LADDER, param_count, preset
 
 
 def largest_fitting(cfg: Config, variant: Variant, topology: str, ladder: list[str] | None = None,
-                    log: Callable[[str], None] = print) -> dict:
-    """{"variant", "largest" (name or None), "params", "tried": [compile reports]}."""
+                    log: Callable[[str], None] = print, **model_options) -> dict:
+    """{"variant", "largest" (name or None), "params", "tried": [compile reports]}. Every preset gets
+    `model_options` (e.g. attention="blockwise"), then the variant's own (+blockwise, +bf16) over them."""
     ladder = ladder or list(LADDER)
-    cfg = dataclasses.replace(cfg, mode=variant.mode, save_inner_grads=variant.save)
+    cfg = dataclasses.replace(cfg, mode=variant.mode, save_inner_grads=variant.save,
+                              inner_checkpoint=variant.inner_checkpoint)
     tried = []
 
     def fits(name: str) -> bool:
-        model = preset(name, remat=variant.remat)
+        model = variant.model(preset(name, **model_options))
         log(f"  {variant.name}: compiling {name} ({param_count(model) / 1e6:,.0f}M parameters) ...")
         report = compile_outer_step(cfg, model, topology)
         need = report.get("total_bytes", report.get("required_bytes"))

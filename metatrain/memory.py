@@ -48,13 +48,15 @@ def _on_mesh(tree, mesh):
 def profile(task_name: str, model: ModelConfig, shapes: Shapes, variant: Variant, topology: str | None = None
             ) -> dict:
     """One row: memory and FLOPs of `value_and_grad` of the outer loss for this variant (per chip on a TPU)."""
+    model = variant.model(model)
     task = build_task(task_name, model, remat=variant.remat)
     meta, inner = abstract_state(task)
     batches, outer_batch = shapes.batches(model.vocab_size)
     theta, opt_state = jax.eval_shape(task.inner_start, meta, inner)
     row = {"variant": variant.name, "task": task_name, "backend": "tpu" if topology else jax.default_backend(),
            "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "seq_len": shapes.seq_len,
+           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
+           "compute_dtype": str(model.activation_dtype), "seq_len": shapes.seq_len,
            "batch": shapes.batch, "inner_steps": shapes.inner_steps}
     value_and_grad = meta_value_and_grad(task, variant.unroll)
 

@@ -8,24 +8,37 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+from metatrain.mixflow import MODES
 from metatrain.tasks import Task, make_task
 from metatrain.unroll import Unroll
 from models import ModelConfig
 
 
+# model options a variant name may carry, e.g. `mixflow+remat+save+sqrt+blockwise+bf16`
+MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints)."""
+    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints),
+    optionally on a changed model (`model_options`: keys of MODEL_OPTIONS, applied over the model given)."""
 
     mode: str
     remat: bool
     save: bool
     inner_checkpoint: str = "every_step"
+    model_options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
-        return self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
+        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
+                + "".join("+" + o for o in self.model_options))
+
+    def model(self, model: ModelConfig) -> ModelConfig:
+        """The model this variant runs: `model` with its block remat and model options."""
+        changes = {k: v for o in self.model_options for k, v in MODEL_OPTIONS[o].items()}
+        return model.replace(remat=self.remat, **changes)
 
     @property
     def unroll(self) -> Unroll:
@@ -37,14 +50,20 @@ def variants(modes=("default", "mixflow", "revfwd"), inner_checkpoint: str = "ev
 
 
 def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
-    """`MODE[+remat][+save][+sqrt|+binomial]`; the schedule in the name wins over `inner_checkpoint`."""
-    mode, *opts = name.split("+")
-    unknown = set(opts) - {"remat", "save", "sqrt", "binomial"}
+    """`MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16]`; a schedule in the name wins over
+    `inner_checkpoint`, model options apply over the model the variant is run on."""
+    form = "MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16], e.g. mixflow+remat+save+sqrt+blockwise"
+    mode, *opts = name.strip().split("+")
+    if mode not in MODES:
+        raise ValueError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {form}")
+    unknown = set(opts) - {"remat", "save", "sqrt", "binomial", *MODEL_OPTIONS}
     if unknown:
-        raise ValueError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; "
-                         "use MODE[+remat][+save][+sqrt|+binomial]")
-    schedule = next((o for o in opts if o in ("sqrt", "binomial")), inner_checkpoint)
-    return Variant(mode, "remat" in opts, "save" in opts, schedule)
+        raise ValueError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {form}")
+    schedules = [o for o in opts if o in ("sqrt", "binomial")]
+    if len(schedules) > 1:
+        raise ValueError(f"variant {name!r}: one inner-checkpoint schedule at most; use {form}")
+    options = tuple(o for o in MODEL_OPTIONS if o in opts)
+    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options)
 
 
 @dataclasses.dataclass(frozen=True)

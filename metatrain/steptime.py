@@ -21,6 +21,7 @@ from models import ModelConfig
 
 
 def _program(task_name: str, model: ModelConfig, shapes: Shapes, variant: Variant, seed: int):
+    model = variant.model(model)
     task = build_task(task_name, model, remat=variant.remat)
     k_meta, k_inner, k_data = jax.random.split(jax.random.key(seed), 3)
     meta = task.init_meta(k_meta)

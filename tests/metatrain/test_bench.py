@@ -40,3 +40,47 @@ def test_bench_fit_binary_search(monkeypatch, capsys):
     ratio = models.param_count(models.preset("2b")) / models.param_count(models.preset("278m"))
     assert f"ratio of parameter counts (mixflow+remat+save / default+remat): {ratio:.2f}x" in out
     assert len(compiled) <= 2 * 6  # a binary search over 22 presets, not a sweep
+
+
+def test_bench_fit_variant_model_options(monkeypatch, capsys, tmp_path):
+    """`+sqrt+blockwise+bf16` reach the compiled program: the stand-in fits more only with all three."""
+    import models
+
+    seen = []
+
+    def fake_compile(cfg, model, topology):
+        seen.append((cfg.mode, cfg.inner_checkpoint, model.attention, model.compute_dtype, model.remat))
+        full = (cfg.inner_checkpoint, model.attention, model.compute_dtype) == ("sqrt", "blockwise", "bfloat16")
+        fits = models.param_count(model) <= (4e9 if full else 300e6)
+        return {"fits": fits, "hbm_bytes": 1.0, **({"total_bytes": 1.0} if fits else {"required_bytes": 2.0})}
+
+    monkeypatch.setattr(fit, "compile_outer_step", fake_compile)
+    out = tmp_path / "fit.json"
+    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "--json", str(out), "--variants",
+                     "default+remat,mixflow+remat+save,mixflow+remat+save+sqrt+blockwise+bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "largest that fits, mixflow+remat+save: 278m" in text
+    assert "largest that fits, mixflow+remat+save+sqrt+blockwise+bf16: 3.8b" in text
+    assert "(mixflow+remat+save+sqrt+blockwise+bf16 / default+remat)" in text
+    assert ("mixflow", "sqrt", "blockwise", "bfloat16", True) in seen
+    assert ("default", "every_step", "dense", "", True) in seen
+    assert [r["largest"] for r in json.loads(out.read_text())["results"]] == ["278m", "278m", "3.8b"]
+
+
+def test_parse_variant_names_round_trip():
+    import pytest
+
+    import models
+    from metatrain.problem import parse_variant
+
+    for name in ("default", "mixflow+remat+save", "mixflow+remat+save+sqrt+blockwise+bf16", "revfwd+binomial"):
+        assert parse_variant(name).name == name
+    v = parse_variant("mixflow+bf16+blockwise+remat")  # any order; the name comes out canonical
+    assert v.name == "mixflow+remat+blockwise+bf16" and v.model_options == ("blockwise", "bf16")
+    tiny = models.preset("tiny")
+    m = v.model(tiny)
+    assert (m.attention, m.compute_dtype, m.remat) == ("blockwise", "bfloat16", True) and not tiny.remat
+    for bad, says in (("mixflo+remat", "unknown mode"), ("mixflow+flash", "unknown option"),
+                      ("mixflow+sqrt+binomial", "one inner-checkpoint schedule")):
+        with pytest.raises(ValueError, match=says):
+            parse_variant(bad)

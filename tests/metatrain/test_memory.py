@@ -49,6 +49,18 @@ def test_cli_json(tmp_path, capsys):
     assert "| 2 | mixflow+remat+save |" in out and out.startswith("bench memory: grid=ablation")
 
 
+def test_blockwise_variant_beside_dense(tmp_path):
+    """`+blockwise` in a variant name profiles the blockwise model, in the dense baseline's ratio group;
+    at S=256 with blocks of 32 it no longer holds [B, H, S, S] scores, so its temporaries are smaller."""
+    out = tmp_path / "mem.json"
+    assert cli.main(["bench", "memory", "--model", "tiny", "--seq-len", "256", "--batch", "1", "--attention-block",
+                     "32", "--variants", "mixflow+remat+save,mixflow+remat+save+blockwise", "--baseline",
+                     "mixflow+remat+save", "--json", str(out)]) == 0
+    dense, blockwise = json.loads(out.read_text())
+    assert (dense["attention"], blockwise["attention"]) == ("dense", "blockwise")
+    assert blockwise["variant"] == "mixflow+remat+save+blockwise" and blockwise["temp_ratio"] > 1.0
+
+
 def test_cli_bad_variant(capsys):
     assert cli.main(["bench", "memory", "--model", "tiny", "--variants", "mixflow+fast"]) == 2
     assert "unknown option(s) ['fast']" in capsys.readouterr().err
