@@ -7,20 +7,34 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from metatrain.unroll import segments
+
 GiB = 2**30
 # MixFlow-MG paper, Tables 2-3 (A.8), TPU, MAML, B=4 S=2048 T=2, HBM in G: (default+remat, mixflow+remat+save)
 PAPER_TPU = {"44m": (32.8, 12.9), "489m": (123.7, 46.9)}
 PAPER_CONFIG = {"task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2}
 
 
+def static_parts(row: dict) -> dict:
+    """A row's static bytes, named: η, its meta-gradient ∇η, the per-step checkpoints (and the inner Adam state
+    υ inside them), and the rest (batches; the inner state where the task carries it in and out)."""
+    kept = len(segments(row["inner_steps"], row.get("inner_checkpoint", "every_step")))
+    parts = {"eta": row["param_bytes"], "grad": row["param_bytes"], "checkpoints": row["checkpoint_bytes"]}
+    return parts | {"adam_in_checkpoints": kept * row["adam_bytes"],
+                    "other": row["static_bytes"] - sum(parts.values())}
+
+
 def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, variant: str) -> str:
     """Per model size: measured peak and dynamic GiB of `baseline` and `variant` beside the paper's peak, and the
-    static part named (η, inner Adam state υ, T per-step checkpoints; inputs and outputs hold the rest)."""
+    static part named (η, ∇η, per-step checkpoints with the inner Adam state υ in them, the rest)."""
     by = {(r["params"], r["variant"]): r for r in rows}
     head = ("| model | params | " + f"{baseline} peak (dyn.) | {variant} peak (dyn.) | peak ratio | dynamic ratio | "
-            "paper peak | static of variant: η + υ + checkpoints + other | static share |\n|" + "---|" * 9)
+            "paper peak | static of variant: η + ∇η + checkpoints (υ in them) + other | static share |\n|"
+            + "---|" * 9)
     lines, dominated = [head], []
-    same_setting = all(rows[0][k] == v for k, v in PAPER_CONFIG.items()) and rows[0]["backend"] == "tpu"
+    same_setting = (all(rows[0][k] == v for k, v in PAPER_CONFIG.items()) and rows[0]["backend"] == "tpu"
+                    and rows[0].get("attention", "dense") == "dense" and rows[0].get("compute_dtype", "float32")
+                    == "float32")
     for params, name in names.items():
         b, v = by.get((params, baseline)), by.get((params, variant))
         if b is None or v is None:
@@ -28,7 +42,7 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
         g = lambda x: f"{x / GiB:.1f}"
         fit = lambda r: "" if r.get("fits") is not False else " over HBM"
         paper = PAPER_TPU.get(name) if same_setting else None
-        other = v["static_bytes"] - v["param_bytes"] - v["adam_bytes"] - v["checkpoint_bytes"]
+        p = static_parts(v)
         share = v["static_bytes"] / v["peak_bytes"]
         if share >= 0.45:
             dominated.append(name)
@@ -36,10 +50,12 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
             f"| {name} | {params / 1e6:,.0f}M | {g(b['peak_bytes'])}{fit(b)} ({g(b['dynamic_bytes'])}) | "
             f"{g(v['peak_bytes'])}{fit(v)} ({g(v['dynamic_bytes'])}) | {b['peak_bytes'] / v['peak_bytes']:.2f}x | "
             f"{b['dynamic_bytes'] / v['dynamic_bytes']:.2f}x | "
-            f"{f'{paper[0]} -> {paper[1]}' if paper else '-'} | {g(v['param_bytes'])} + {g(v['adam_bytes'])} + "
-            f"{g(v['checkpoint_bytes'])} + {g(other)} = {g(v['static_bytes'])} | {100 * share:.0f}% |")
+            f"{f'{paper[0]} -> {paper[1]}' if paper else '-'} | {g(p['eta'])} + {g(p['grad'])} + "
+            f"{g(p['checkpoints'])} (υ {g(p['adam_in_checkpoints'])}) + {g(p['other'])} = {g(v['static_bytes'])} | "
+            f"{100 * share:.0f}% |")
     note = ("GiB per chip; paper: Tables 2-3 of the MixFlow-MG paper (TPU, 'G'), same task and shapes"
-            if same_setting else "GiB; the paper's figures are for MAML on TPU at B=4 S=2048 T=2 only")
+            if same_setting else "GiB" + (" per chip" if rows[0]["backend"] == "tpu" else "")
+            + "; the paper's figures are for MAML on TPU at B=4 S=2048 T=2, dense attention, float32 only")
     if dominated:
         note += (f"; static memory is about half or more of {variant}'s peak from {dominated[0]} on: the next "
                  "savings must come from it (FSDP over chips, an inner-checkpoint schedule)")
@@ -82,7 +98,9 @@ def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
         right.set(ylabel=f"{baseline} ÷ variant", title="dynamic memory ratio")
     r0 = rows[0]
     where = f"{r0['topology']} (per chip)" if r0["topology"] else r0["backend"]
-    fig.suptitle(f"{where}: B={r0['batch']} S={r0['seq_len']} T={r0['inner_steps']}")
+    model = "".join(f", {r0[k]}" for k, usual in (("attention", "dense"), ("compute_dtype", "float32"))
+                    if r0.get(k, usual) != usual)
+    fig.suptitle(f"{where}: B={r0['batch']} S={r0['seq_len']} T={r0['inner_steps']}{model}")
     for ax in (left, right):
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)

@@ -79,7 +79,7 @@ def test_tasks_grid_with_plot(tmp_path, capsys):
 
 def _row(params, variant, peak, static, checkpoints):
     return {"params": params, "variant": variant, "peak_bytes": peak, "static_bytes": static,
-            "dynamic_bytes": peak - static, "param_bytes": 1, "adam_bytes": 2, "checkpoint_bytes": checkpoints,
+            "dynamic_bytes": peak - static, "param_bytes": 2**30, "adam_bytes": 2**31, "checkpoint_bytes": checkpoints,
             "fits": True, "task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2, "backend": "tpu"}
 
 
@@ -93,6 +93,7 @@ def test_paper_comparison_names_static_and_where_it_dominates():
     text = paper_comparison(rows, {44e6: "44m", 489e6: "489m"}, "default+remat", "mixflow+remat+save")
     assert "| 44m | 44M | 20.0 (18.0) | 8.0 (6.0) | 2.50x | 3.00x | 32.8 -> 12.9 |" in text
     assert "| 489m |" in text and "123.7 -> 46.9" in text and "| 62% |" in text
+    assert "| 1.0 + 1.0 + 12.0 (υ 4.0) + 11.0 = 25.0 |" in text  # η, ∇η, T=2 checkpoints holding 2 υ, the rest
     assert "static memory is about half or more of mixflow+remat+save's peak from 489m on" in text
 
 
