@@ -56,7 +56,7 @@ class Config:
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     mode: str = "mixflow"  # default | mixflow | revfwd | auto (compile each, keep the lowest peak memory)
     save_inner_grads: bool = True
-    inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial: inner states kept for the backward pass
+    inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     steps: int = 300
@@ -79,8 +79,8 @@ def validate(cfg: Config) -> Config:
     _check(cfg.mode in MODES + ("auto",), "mode", f"{cfg.mode!r} is not one of {MODES + ('auto',)}")
     from metatrain.unroll import INNER_CHECKPOINTS
 
-    _check(cfg.inner_checkpoint in INNER_CHECKPOINTS, "inner_checkpoint",
-           f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS}")
+    _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + ("auto",), "inner_checkpoint",
+           f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + ('auto',)}")
     _check(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
     _check(cfg.inner_lr > 0, "inner_lr", f"must be > 0, got {cfg.inner_lr}")
     _check(cfg.meta_opt.schedule in ("constant", "cosine"), "meta_opt.schedule",

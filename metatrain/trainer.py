@@ -8,6 +8,7 @@ the same batches with η frozen at its initial value (for loss weighting: exactl
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -110,8 +111,12 @@ class Trainer:
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
-        mode = self._choose_mode(replicated)["mode"] if cfg.mode == "auto" else cfg.mode
-        self.unroll = Unroll(mode, cfg.save_inner_grads, cfg.inner_checkpoint)
+        if "auto" in (cfg.mode, cfg.inner_checkpoint):
+            choice = self._choose_mode(replicated)
+            mode, schedule = choice["mode"], choice["inner_checkpoint"]
+        else:
+            mode, schedule = cfg.mode, cfg.inner_checkpoint
+        self.unroll = Unroll(mode, cfg.save_inner_grads, schedule)
         self._step = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
         self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
                                   out_shardings=replicated)
@@ -194,26 +199,33 @@ class Trainer:
                 batch((d.batch, d.seq_len + 1), batch_sharding(self.mesh)))
 
     def _choose_mode(self, replicated) -> dict:
-        """mode=auto: compile the outer step ahead of time in every mode and keep the one with the lowest peak
-        memory; modes within 1% of the lowest peak count as tied and the fewest FLOPs wins among them."""
+        """mode=auto and/or inner_checkpoint=auto: compile the outer step ahead of time for every candidate (each
+        mode; every_step and sqrt) and keep the one with the lowest peak memory; candidates within 1% of the
+        lowest peak count as tied and the fewest FLOPs wins among them. All candidates compute the same
+        meta-gradient (check-grads), so the choice changes memory and time only."""
         from metatrain.memory import compiled_memory
         from metatrain.mixflow import MODES
 
+        modes = MODES if self.cfg.mode == "auto" else (self.cfg.mode,)
+        schedules = ("every_step", "sqrt") if self.cfg.inner_checkpoint == "auto" else (self.cfg.inner_checkpoint,)
         state = abstract(self.state, self.state_shardings)
         figures = {}
-        for mode in MODES:
-            self.unroll = Unroll(mode, self.cfg.save_inner_grads, self.cfg.inner_checkpoint)
+        for mode, schedule in itertools.product(modes, schedules):
+            self.unroll = Unroll(mode, self.cfg.save_inner_grads, schedule)
             compiled = jax.jit(self._outer_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated)
                                ).lower(state, *self.abstract_batches()).compile()
             m = compiled_memory(compiled)
-            figures[mode] = {"peak_bytes": m["peak_bytes"], "flops": m["flops"]}
+            figures[mode if len(schedules) == 1 else f"{mode}+{schedule}"] = {
+                "mode": mode, "inner_checkpoint": schedule, "peak_bytes": m["peak_bytes"], "flops": m["flops"]}
         lowest = min(f["peak_bytes"] for f in figures.values())
-        tied = [m for m in MODES if figures[m]["peak_bytes"] <= 1.01 * lowest]
-        choice = {"mode": min(tied, key=lambda m: figures[m]["flops"]), "candidates": figures}
+        tied = [name for name, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest]
+        best = min(tied, key=lambda name: figures[name]["flops"])
+        choice = {"mode": figures[best]["mode"], "inner_checkpoint": figures[best]["inner_checkpoint"],
+                  "candidates": figures}
         if self.is_main:
-            tqdm.write("mode=auto: " + "; ".join(f"{m} peak {f['peak_bytes'] / 2**20:,.1f} MiB, "
-                                                  f"{f['flops'] / 1e9:,.2f} GFLOPs" for m, f in figures.items())
-                       + f" -> {choice['mode']}", file=sys.stderr)
+            tqdm.write("auto: " + "; ".join(f"{n} peak {f['peak_bytes'] / 2**20:,.1f} MiB, "
+                                            f"{f['flops'] / 1e9:,.2f} GFLOPs" for n, f in figures.items())
+                       + f" -> mode={choice['mode']} inner_checkpoint={choice['inner_checkpoint']}", file=sys.stderr)
             os.makedirs(config_lib.log_dir(self.cfg.workdir), exist_ok=True)
             with open(os.path.join(config_lib.log_dir(self.cfg.workdir), "mode_auto.json"), "w") as f:
                 json.dump(choice, f, indent=1)

@@ -97,10 +97,11 @@ def _tensorboard_scalars(logdir):
 
 
 def test_main_job_lines(tmp_path):
-    out = _train(tmp_path / "run", "steps=4", "baseline=uniform", "mode=auto")
-    choice = json.loads((tmp_path / "run" / "mode_auto.json").read_text())  # mode=auto: the lowest peak wins
-    peaks = {m: c["peak_bytes"] for m, c in choice["candidates"].items()}
-    assert set(peaks) == {"default", "mixflow", "revfwd"} and peaks[choice["mode"]] <= 1.01 * min(peaks.values())
+    out = _train(tmp_path / "run", "steps=4", "baseline=uniform", "mode=auto", "inner_checkpoint=auto")
+    choice = json.loads((tmp_path / "run" / "mode_auto.json").read_text())  # auto: the lowest peak wins
+    peaks = {name: c["peak_bytes"] for name, c in choice["candidates"].items()}
+    assert set(peaks) == {f"{m}+{s}" for m in ("default", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
+    assert peaks[f"{choice['mode']}+{choice['inner_checkpoint']}"] <= 1.01 * min(peaks.values())
     lines = out.strip().splitlines()
     assert lines[-1].startswith("validation loss: ") and " -> " in lines[-1]
     assert any(line.startswith("baseline validation loss: ") for line in lines)
