@@ -104,14 +104,14 @@ def _progress_lines(it, desc=""):
         yield item
 
 
-def _variants(args, names: str) -> list:
-    """The comma-listed variants (with --inner-checkpoint unless a name says +sqrt/+binomial), baseline first
-    when it is not among them."""
+def _variants(args, names: str, baseline: str | None = None) -> list:
+    """The comma-listed variants (with --inner-checkpoint unless a name says +sqrt/+binomial), `baseline` first
+    when given and not among them."""
     from metatrain.problem import parse_variant
 
     chosen = [parse_variant(v, args.inner_checkpoint) for v in names.split(",")]
-    if args.baseline not in {v.name for v in chosen}:
-        chosen.insert(0, parse_variant(args.baseline))
+    if baseline and baseline not in {v.name for v in chosen}:
+        chosen.insert(0, parse_variant(baseline))
     return chosen
 
 
@@ -139,7 +139,7 @@ def cmd_bench_memory(args) -> int:
     else:  # tasks
         configs = [(_model(args), shapes)]
         tasks = [t.strip() for t in args.tasks.split(",")]
-    chosen = _variants(args, args.variants or default_variants)
+    chosen = _variants(args, args.variants or default_variants, args.baseline)
     where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
     print(f"bench memory: grid={args.grid} on {where}, {len(tasks) * len(configs) * len(chosen)} compiles, "
           f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps}", flush=True)
@@ -160,7 +160,7 @@ def cmd_bench_time(args) -> int:
 
     import jax
 
-    chosen = _variants(args, args.variants)
+    chosen = _variants(args, args.variants, args.baseline)
     model, shapes = _model(args), _shapes(args)
     print(f"bench time: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}) "
           f"B={shapes.batch} S={shapes.seq_len} T={shapes.inner_steps} on {jax.default_backend()} "
@@ -176,13 +176,12 @@ def cmd_bench_time(args) -> int:
 def cmd_bench_fit(args) -> int:
     from metatrain import config as config_lib
     from metatrain.fit import largest_fitting
-    from metatrain.problem import parse_variant
 
     cfg = config_lib.load(None, [f"task={args.task}", f"data.seq_len={args.seq_len}", f"data.batch={args.batch}",
                                  f"data.inner_steps={args.inner_steps}", "mesh.fsdp=-1", "mesh.data=-1",
                                  *args.overrides])
     ladder = [m.strip() for m in args.models.split(",")] if args.models else None
-    chosen = [parse_variant(v, args.inner_checkpoint) for v in args.variants.split(",")]
+    chosen = _variants(args, args.variants)
     print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}, variants {', '.join(v.name for v in chosen)}: binary search over the size "
           f"ladder (each compile takes minutes)", flush=True)

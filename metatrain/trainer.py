@@ -112,7 +112,7 @@ class Trainer:
         self._outer_sharding = batch_sharding(self.mesh)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # readable on every host
         if "auto" in (cfg.mode, cfg.inner_checkpoint):
-            choice = self._choose_mode(replicated)
+            choice = self._choose_auto(replicated)
             mode, schedule = choice["mode"], choice["inner_checkpoint"]
         else:
             mode, schedule = cfg.mode, cfg.inner_checkpoint
@@ -198,7 +198,7 @@ class Trainer:
         return (batch((d.inner_steps, d.batch, d.seq_len + 1), batch_sharding(self.mesh, leading=1)),
                 batch((d.batch, d.seq_len + 1), batch_sharding(self.mesh)))
 
-    def _choose_mode(self, replicated) -> dict:
+    def _choose_auto(self, replicated) -> dict:
         """mode=auto and/or inner_checkpoint=auto: compile the outer step ahead of time for every candidate (each
         mode; every_step and sqrt) and keep the one with the lowest peak memory; candidates within 1% of the
         lowest peak count as tied and the fewest FLOPs wins among them. All candidates compute the same

@@ -86,7 +86,7 @@ def segments(n_steps: int, schedule: str) -> list[int]:
     if schedule == "sqrt":
         k = math.ceil(math.sqrt(n_steps))
         return [k] * (n_steps // k) + ([n_steps % k] if n_steps % k else [])
-    return [n_steps // 2, n_steps - n_steps // 2] if n_steps > 2 else [1] * n_steps  # binomial: the top halves
+    return [n_steps // 2, n_steps - n_steps // 2]  # binomial: the top halves
 
 
 def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
@@ -97,7 +97,7 @@ def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
     if schedule == "sqrt":
         segment = jax.checkpoint(lambda c, b: jax.lax.scan(step, c, b),
                                  policy=jax.checkpoint_policies.nothing_saveable)
-        k = math.ceil(math.sqrt(n))
+        k = segments(n, schedule)[0]
         full = n // k  # segments of k steps, scanned; then the remainder as one more segment
         split = jax.tree.map(lambda x: x[:full * k].reshape((full, k) + x.shape[1:]), batches)
         carry, losses = jax.lax.scan(segment, carry, split)
