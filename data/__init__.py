@@ -1,1 +1,2 @@
-"""Grain next-token data pipelines (being built)."""
+"""Grain next-token data: offline tokenizers, document sources (the built-in corpus, TFDS, local text),
+and the inner (train) / outer (validation) streams with checkpointable state."""

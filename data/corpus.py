@@ -10,7 +10,9 @@ import dataclasses
 import glob
 import os
 import sysconfig
-from typing import Sequence
+from collections.abc import Sequence
+
+from metatrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".json", ".html", ".tex", ".csv", ".c", ".h")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
@@ -30,7 +32,7 @@ def builtin_corpus_files() -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     if not files:
-        raise ValueError(f"the built-in corpus is empty: no .py files under {root}")
+        raise DataError(f"the built-in corpus is empty: no .py files under {root}")
     return files
 
 
@@ -40,18 +42,18 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     for p in paths:
         matches = sorted(glob.glob(p, recursive=True)) if any(c in p for c in "*?[") else [p]
         if not matches or not all(os.path.exists(m) for m in matches):
-            raise ValueError(f"no such file or folder: {p!r}")
+            raise DataError(f"no such file or folder: {p!r}")
         for m in matches:
             if os.path.isdir(m):
                 found = [os.path.join(d, f) for d, _, fs in sorted(os.walk(m)) for f in sorted(fs)
                          if f.lower().endswith(TEXT_SUFFIXES)]
                 if not found:
-                    raise ValueError(f"folder {m!r} has no text files (looked for {', '.join(TEXT_SUFFIXES)})")
+                    raise DataError(f"folder {m!r} has no text files (looked for {', '.join(TEXT_SUFFIXES)})")
                 out += found
             else:
                 out.append(m)
     if not out:
-        raise ValueError("no input files given")
+        raise DataError("no input files given")
     return out
 
 

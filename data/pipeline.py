@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Sequence
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 import grain
 import numpy as np
 
-from data.corpus import FileDocuments, builtin_corpus_files
-from data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
+from metatrain.data.corpus import FileDocuments, builtin_corpus_files
+from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
+from metatrain.errors import ConfigError, DataError
 
 SEQ_FEATURES = ("tokens", "corrupted")
 
@@ -44,13 +48,13 @@ class DataConfig:
     def __post_init__(self):
         for name in ("seq_len", "batch", "inner_steps", "shuffle_window"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"data.{name} must be > 0, got {getattr(self, name)}")
         if self.shards < 0:
-            raise ValueError(f"data.shards must be >= 0 (0 = one per process), got {self.shards}")
+            raise ConfigError(f"data.shards must be >= 0 (0 = one per process), got {self.shards}")
         if self.outer_every < 2:
-            raise ValueError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
+            raise ConfigError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
-            raise ValueError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
+            raise ConfigError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
 
 
 class Subset:
@@ -68,19 +72,27 @@ class Subset:
 
 
 def document_source(cfg: DataConfig):
-    """A random-access source of document texts for the config's `source`."""
+    """A random-access source of document texts for the config's `source`: `builtin`, `tfds:NAME`, or the
+    NAME of a dataset built by `metatrain data build` (a TFDS dataset in `data.data_dir`)."""
     if cfg.source == "builtin":
         return FileDocuments(builtin_corpus_files())
-    from data import tfds_source  # imports tensorflow_datasets, only when needed
+    name = cfg.source.removeprefix("tfds:")
+    if os.path.exists(name) or "/" in name or os.sep in name:
+        raise DataError(f"data.source: {cfg.source!r} is a path, not a dataset; make a dataset from it with "
+                        f"`metatrain data build {name} --name NAME` and use data.source=tfds:NAME")
+    if ":" in name:
+        raise DataError(f"data.source: {cfg.source!r} is not a known source; use builtin or tfds:NAME")
+    from metatrain.data import tfds_source  # imports tensorflow_datasets, only when needed
 
-    return tfds_source.text_source(cfg.source.removeprefix("tfds:"), cfg.split, cfg.data_dir)
+    return tfds_source.text_source(name, cfg.split, cfg.data_dir)
 
 
 def split_ids(n_docs: int, outer_every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Inner, outer and test document ids: document i is outer when i % k == 0, test when i % k == k // 2
     (k = outer_every), inner otherwise. Disjoint by construction; test documents are seen by no training."""
     if n_docs < outer_every:
-        raise ValueError(f"the corpus has {n_docs} documents; at least {outer_every} are needed to hold one out")
+        raise DataError(f"the corpus has {n_docs} documents; at least {outer_every} are needed to hold one out "
+                        f"(data.outer_every={outer_every})")
     ids = np.arange(n_docs)
     outer, test = ids % outer_every == 0, ids % outer_every == outer_every // 2
     return ids[~outer & ~test], ids[outer], ids[test]
@@ -142,13 +154,28 @@ class _Checkpointable:
     def set_state(self, state: bytes) -> None:
         states = json.loads(state)
         if len(states) != len(self.iterators):
-            raise ValueError(f"the checkpoint holds {len(states)} data shard(s) for this process, the run has "
-                             f"{len(self.iterators)}: resume with the data.shards and process count it was saved with")
+            raise ConfigError(f"data.shards: the checkpoint holds {len(states)} data shard(s) for this process, the "
+                              f"run has {len(self.iterators)}: resume with the data.shards and process count it was "
+                              f"saved with")
         for it, st in zip(self.iterators, states):
             it.set_state(_json_safe_state(st))
 
     def start_prefetch(self) -> None:
         pass
+
+
+def _warn_if_smaller_than_a_batch(name: str, docs, ids, tok: Tokenizer, cfg: DataConfig, n_shards: int) -> None:
+    """Packing repeats a stream's documents forever: say so when one shard's documents do not fill one batch
+    (batch / shards rows of seq_len+1 tokens), since every batch then repeats the same text."""
+    need = cfg.batch // n_shards * (cfg.seq_len + 1)
+    have = 0
+    for i in ids:
+        have += len(tok.encode(docs[int(i)]))
+        if have >= need:
+            return
+    print(f"metatrain: warning: the {name} stream's {len(ids)} document(s) per data shard hold {have:,} tokens, "
+          f"fewer than one batch ({cfg.batch // n_shards} rows x {cfg.seq_len + 1} = {need:,} tokens): every "
+          f"batch repeats them; add documents or lower data.batch / data.seq_len", file=sys.stderr)
 
 
 def _concat(batches: list[dict], axis: int) -> dict:
@@ -166,22 +193,26 @@ class Streams:
             process_index, process_count = shard.shard_index, shard.shard_count
         n_shards = cfg.shards or process_count
         if n_shards % process_count:
-            raise ValueError(f"data.shards={n_shards} does not split over {process_count} processes; "
+            raise ConfigError(f"data.shards={n_shards} does not split over {process_count} processes; "
                              f"use a multiple of {process_count}")
         if cfg.batch % n_shards:
-            raise ValueError(f"data.batch={cfg.batch} is not divisible by the {n_shards} data shards (one per "
+            raise ConfigError(f"data.batch={cfg.batch} is not divisible by the {n_shards} data shards (one per "
                              f"process unless data.shards is set); use a multiple of {n_shards}")
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
         docs = document_source(cfg)
         inner_ids, outer_ids, self.test_ids = split_ids(len(docs), cfg.outer_every)
         if min(len(inner_ids), len(outer_ids), len(self.test_ids)) < n_shards:
-            raise ValueError(f"too few documents ({len(docs)}) to give each of {n_shards} data shards one")
+            raise DataError(f"data.source {cfg.source!r}: too few documents ({len(docs)}) to give each of {n_shards} "
+                            f"data shards one")
         per = n_shards // process_count
         self._shards = range(process_index * per, (process_index + 1) * per)
         self._docs = docs
         self._common = dict(seq_len=cfg.seq_len, batch=cfg.batch // n_shards, process_count=n_shards,
                             shuffle_window=cfg.shuffle_window)
+        if process_index == 0:
+            for name, ids in (("inner", inner_ids), ("outer", outer_ids), ("held-out", self.test_ids)):
+                _warn_if_smaller_than_a_batch(name, docs, ids[::n_shards], self.tokenizer, cfg, n_shards)
         self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
                                   process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
         self.outer = [iter(stream(docs, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,

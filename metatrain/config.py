@@ -2,27 +2,29 @@
 
 `load(preset, overrides)` is the one place a run's configuration is read and validated. Everything
 goes through OmegaConf structured configs, so an unknown key or a wrong type is refused with the
-field's name; cross-field checks follow in `validate`.
+field's name; `validate` then checks every value's range and the fields that depend on each other,
+before anything is built or compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.pipeline import DataConfig
+from metatrain.data.pipeline import DataConfig
+from metatrain.errors import ConfigError, TaskError
 from metatrain.mixflow import MODES
-from models import ModelConfig
+from metatrain.models import ModelConfig
+from metatrain.tasks import task_class
+from metatrain.unroll import INNER_CHECKPOINTS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message is one line naming the field and a fix."""
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,14 @@ class InnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    wandb: bool = False  # also log to Weights & Biases (pip install wandb); resumes the same W&B run
+    wandb_project: str = "metatrain"
+    wandb_entity: str = ""  # default: your W&B default entity
+    wandb_name: str = ""  # default: the work dir's name
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     task: str = "loss_weighting"
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(
@@ -59,13 +69,14 @@ class Config:
     inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     steps: int = 300
     seed: int = 0
     workdir: str = "runs/default"
     baseline: str = "none"  # none | uniform: also train the inner model with uniform weights on the same data
     eval_batches: int = 8
     log_every: int = 10
-    checkpoint_every: int = 100
+    checkpoint_every: int = 100  # 0: only at the end and when stopped
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # stop after this many non-finite meta-gradients in a row
 
@@ -75,26 +86,38 @@ def _check(cond: bool, field: str, message: str):
         raise ConfigError(f"{field}: {message}")
 
 
-def validate(cfg: Config) -> Config:
-    _check(cfg.mode in MODES + ("auto",), "mode", f"{cfg.mode!r} is not one of {MODES + ('auto',)}")
-    from metatrain.unroll import INNER_CHECKPOINTS
+def _positive(value: float, field: str, minimum: float = 0.0, strict: bool = True):
+    ok = math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    _check(ok, field, f"must be a finite number {'>' if strict else '>='} {minimum:g}, got {value}")
 
-    _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + ("auto",), "inner_checkpoint",
-           f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + ('auto',)}")
-    _check(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
-    _check(cfg.inner_lr > 0, "inner_lr", f"must be > 0, got {cfg.inner_lr}")
-    _check(cfg.meta_opt.schedule in ("constant", "cosine"), "meta_opt.schedule",
-           f"{cfg.meta_opt.schedule!r} is not constant or cosine")
+
+def validate(cfg: Config) -> Config:
+    _check(cfg.mode in MODES + (AUTO,), "mode", f"{cfg.mode!r} is not one of {MODES + (AUTO,)}")
+    _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + (AUTO,), "inner_checkpoint",
+           f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + (AUTO,)}")
+    for name, minimum in (("steps", 1), ("eval_batches", 1), ("log_every", 1), ("keep_checkpoints", 1),
+                          ("max_bad_steps", 1), ("checkpoint_every", 0)):
+        value = getattr(cfg, name)
+        _check(value >= minimum, name, f"must be >= {minimum}, got {value}")
+    _positive(cfg.inner_lr, "inner_lr")
+    o = cfg.meta_opt
+    _positive(o.lr, "meta_opt.lr")
+    _positive(o.clip_norm, "meta_opt.clip_norm")
+    _positive(o.eps, "meta_opt.eps")
+    _positive(o.weight_decay, "meta_opt.weight_decay", strict=False)
+    _check(o.schedule in ("constant", "cosine"), "meta_opt.schedule", f"{o.schedule!r} is not constant or cosine")
+    _check(o.warmup_steps >= 0, "meta_opt.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(o.schedule != "cosine" or o.warmup_steps < cfg.steps, "meta_opt.warmup_steps",
+           f"{o.warmup_steps} leaves no steps to decay over with schedule=cosine and steps={cfg.steps}")
     _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
-    _check(cfg.eval_batches >= 1, "eval_batches", f"must be >= 1, got {cfg.eval_batches}")
+    _check(bool(cfg.workdir.strip()), "workdir", "must not be empty")
+    _check(not os.path.isfile(cfg.workdir), "workdir", f"{cfg.workdir!r} is a file; give a directory (new or a run's)")
     init_from = cfg.inner.init_from
     _check(not init_from or os.path.isdir(init_from), "inner.init_from",
            f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir or a `metatrain export` dir")
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
-    from metatrain.tasks import TaskError, task_class
-
     try:
         task_class(cfg.task)
     except TaskError as e:
@@ -132,37 +155,20 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def is_remote(path: str) -> bool:
-    """gs://... and other URL-style paths (read and written through etils.epath, as Orbax does)."""
-    return "://" in path
+def flatten(cfg: Config) -> dict[str, object]:
+    """`{"model.d_model": 64, ...}`: every leaf field under its dotted name, in declaration order."""
+    out = {}
 
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                out[prefix + f.name] = value
 
-def workdir_config_path(workdir: str) -> str:
-    return os.path.join(workdir, "config.yaml")
-
-
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(workdir, "checkpoints") if is_remote(workdir) else os.path.abspath(
-        os.path.join(workdir, "checkpoints"))
-
-
-def log_dir(workdir: str) -> str:
-    """Where metrics.jsonl, TensorBoard events and curves.png go: the work dir, or for a remote work dir
-    (gs://...) a local `runs/<name>` on process 0's host (appending to object storage is not possible)."""
-    return os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1]) if is_remote(workdir) else workdir
-
-
-def latest_step(workdir: str) -> int | None:
-    """The step of the newest finished checkpoint in the work dir (unfinished saves are `N.orbax-...-tmp`)."""
-    from etils import epath
-
-    ckpt = epath.Path(checkpoint_dir(workdir))
-    steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
-    return max(steps, default=None)
-
-
-def has_checkpoint(workdir: str) -> bool:
-    return latest_step(workdir) is not None
+    walk(cfg, "")
+    return out
 
 
 def read_text(path: str) -> str | None:

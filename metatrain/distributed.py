@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from metatrain.errors import ConfigError
+
 ENV = {"coordinator": "METATRAIN_COORDINATOR", "num_processes": "METATRAIN_NUM_PROCESSES",
        "process_id": "METATRAIN_PROCESS_ID"}
 
@@ -50,11 +52,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     process_id = process_id if process_id is not None else _env_int("process_id")
     given = [coordinator is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
-        raise ValueError("a multi-process start needs all of --coordinator HOST:PORT, --num-processes N and "
+        raise ConfigError("a multi-process start needs all of --coordinator HOST:PORT, --num-processes N and "
                          "--process-id I (or METATRAIN_COORDINATOR, METATRAIN_NUM_PROCESSES, METATRAIN_PROCESS_ID)")
     if all(given):
         if not 0 <= process_id < num_processes:
-            raise ValueError(f"--process-id {process_id} is not in [0, {num_processes})")
+            raise ConfigError(f"--process-id {process_id} is not in [0, {num_processes})")
         if num_processes == 1:
             return "single process"
         jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout,
@@ -74,4 +76,4 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{ENV[name]}={value!r} is not an integer") from None
+        raise ConfigError(f"{ENV[name]}={value!r} is not an integer") from None

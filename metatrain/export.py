@@ -16,15 +16,20 @@ import jax
 import orbax.checkpoint as ocp
 
 from metatrain import config as config_lib
+from metatrain import workdir as workdir_lib
+from metatrain.checkpoints import first_layout_difference
+from metatrain.errors import ConfigError, DataError
 
 
 def _latest_state(workdir: str) -> tuple[str, int, dict]:
     """(the latest checkpoint's state dir, its step, its metadata tree)."""
-    step = config_lib.latest_step(workdir)
+    if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
+        raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
+    step = workdir_lib.latest_step(workdir)
     if step is None:
-        raise ValueError(f"{workdir} has no checkpoint (expected {config_lib.checkpoint_dir(workdir)}/<step>/); "
-                         f"is it a metatrain work dir?")
-    state_dir = os.path.join(config_lib.checkpoint_dir(workdir), str(step), "state")
+        raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
+                        f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
+    state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
     return state_dir, step, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
 
 
@@ -32,7 +37,7 @@ def _restore_part(state_dir: str, saved: dict, key: str, target=None):
     """One top-level entry of a saved state (`saved`: its metadata tree), onto `target`'s shapes and
     shardings (default: the first device, as saved)."""
     if key not in saved:
-        raise ValueError(f"{state_dir} has no {key!r} entry (it has {sorted(saved)})")
+        raise DataError(f"{state_dir} has no {key!r} entry (it has {sorted(saved)})")
     if target is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved[key])
@@ -42,27 +47,24 @@ def _restore_part(state_dir: str, saved: dict, key: str, target=None):
     return ocp.PyTreeCheckpointer().restore(state_dir, args=args)[key]
 
 
-def _check_matches(saved, target):
+def _check_matches(path: str, saved, target):
     """Refuse a checkpoint whose parameter names or shapes differ from the target's, naming the first."""
-    def names(tree):  # nnx Variables (attribute `value`) and saved dicts (key 'value') read alike
-        return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path):
-                tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-    have, want = names(saved), names(target)
-    for name, shape in want.items():
-        if name not in have:
-            raise ValueError(f"it has no parameter {name}")
-        if have[name] != shape:
-            raise ValueError(f"{name} has shape {have[name]}, this run's model needs {shape}")
+    difference = first_layout_difference(saved, target)
+    if difference:
+        raise ConfigError(f"inner.init_from: {path} does not hold parameters of this run's model ({difference}); "
+                          f"pretrain with the same model.* and data.vocab_size settings")
 
 
 def export(workdir: str, out: str | None = None) -> str:
     """Write the latest checkpoint's meta-parameters (pretrain runs: the parameters) to `out`."""
-    cfg = config_lib.load(config_lib.workdir_config_path(workdir))
     state_dir, step, saved = _latest_state(workdir)
+    if config_lib.read_text(workdir_lib.config_path(workdir)) is None:
+        raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` or "
+                        f"`metatrain pretrain`")
+    cfg = config_lib.load(workdir_lib.config_path(workdir))
     kind = "pretrain" if "params" in saved else "meta-train"
     params = _restore_part(state_dir, saved, "params" if kind == "pretrain" else "meta")
-    from data.tokenizer import load_tokenizer
+    from metatrain.data.tokenizer import load_tokenizer
 
     model = cfg.model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
     out = os.path.abspath(out or os.path.join(workdir, "export"))
@@ -80,10 +82,14 @@ def load_params(path: str, target):
     if os.path.exists(os.path.join(path, "export.json")):
         with ocp.StandardCheckpointer() as checkpointer:
             params_dir = os.path.join(path, "params")
-            _check_matches(checkpointer.metadata(params_dir).item_metadata.tree, target)
+            _check_matches(path, checkpointer.metadata(params_dir).item_metadata.tree, target)
             return checkpointer.restore(params_dir, target)
-    state_dir, _, saved = _latest_state(path)
+    try:
+        state_dir, _, saved = _latest_state(path)
+    except DataError as e:
+        raise ConfigError(f"inner.init_from: {e}") from None
     if "params" not in saved:
-        raise ValueError("it is not a `metatrain pretrain` work dir (no 'params' in its checkpoint)")
-    _check_matches(saved["params"], target)
+        raise ConfigError(f"inner.init_from: {path} is not a `metatrain pretrain` work dir or an export dir (no "
+                          f"'params' in its checkpoint, no export.json)")
+    _check_matches(path, saved["params"], target)
     return _restore_part(state_dir, saved, "params", target)

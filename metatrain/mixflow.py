@@ -17,11 +17,14 @@ contributes `c * dL/dx`, which the backward pass gets from the same JVP at no ex
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+
+from metatrain.errors import ConfigError
 
 MODES = ("default", "mixflow", "revfwd")
 
@@ -53,7 +56,7 @@ def _split_floats(inputs):
 def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow") -> Callable[..., Any]:
     """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`."""
     if mode not in MODES:
-        raise ValueError(f"unknown meta-gradient mode {mode!r}; choose one of {MODES}")
+        raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
     plain = jax.value_and_grad(loss_fn)
     if mode == "default":
         return plain

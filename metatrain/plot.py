@@ -7,6 +7,8 @@ import os
 
 import matplotlib
 
+from metatrain.errors import DataError
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -14,10 +16,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 def plot_run(workdir: str, out: str | None = None) -> str:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise ValueError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
+        raise DataError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
     rows = [json.loads(line) for line in open(path) if line.strip()]
     if not rows:
-        raise ValueError(f"{path} is empty: nothing to plot yet")
+        raise DataError(f"{path} is empty: nothing to plot yet")
     steps = [r["step"] for r in rows]
     fig, (ax_loss, ax_grad) = plt.subplots(1, 2, figsize=(11, 4))
     for key, style in (("outer_loss", "-"), ("inner_loss", "--"), ("baseline_outer_loss", ":"),

@@ -8,41 +8,57 @@ inner optimiser) and reports the loss on the outer batch after them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 
-import models
+from metatrain import models
+from metatrain import step as step_lib
+from metatrain.config import Config
+from metatrain.errors import ConfigError
 from metatrain.tasks.base import Task
-from metatrain.trainer import Trainer, keep_if
+from metatrain.trainer import Trainer
+
+
+def init_state(task: Task, key: jax.Array) -> step_lib.State:
+    _, params = models.init(task.model, key)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": task.inner_opt.init(params)}
+
+
+def outer_step(task: Task, state: step_lib.State, batches: dict, outer_batch: dict) -> tuple[step_lib.State, dict]:
+    def one(carry, batch):
+        params, opt = carry
+        loss, grads = jax.value_and_grad(task.inner_loss)(params, None, batch)
+        params, opt = task.update(grads, params, opt, None)
+        return (params, opt), (loss, optax.tree.norm(grads))
+
+    (params, opt), (losses, norms) = jax.lax.scan(one, (state["params"], state["opt"]), batches)
+    outer = task.outer_loss(params, None, outer_batch)
+    ok = jnp.isfinite(losses).all() & jnp.isfinite(norms).all() & jnp.isfinite(outer) & step_lib.all_finite(params)
+    new = {"step": state["step"] + 1, "params": step_lib.keep_if(ok, params, state["params"]),
+           "opt": step_lib.keep_if(ok, opt, state["opt"])}
+    return new, {"outer_loss": outer, "inner_loss": losses.mean(), "grad_norm": norms.mean(), "finite": ok}
+
+
+def pretrain_program(cfg: Config, mesh: jax.sharding.Mesh) -> step_lib.Program:
+    task = Task(cfg.model, inner_lr=cfg.inner_lr)
+    return step_lib.Program(task=task, init=functools.partial(init_state, task),
+                            step=functools.partial(outer_step, task), mesh=mesh, data=cfg.data)
 
 
 class Pretrainer(Trainer):
     kind = "pretrain"
 
-    def _make_task(self, model):
-        return Task(model, inner_lr=self.cfg.inner_lr)
+    def _program(self) -> step_lib.Program:
+        return pretrain_program(self.cfg, self.mesh)
 
-    def _init_state(self, key):
-        _, params = models.init(self.task.model, key)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.task.inner_opt.init(params)}
+    def _compile(self, program: step_lib.Program):
+        return program, step_lib.lower(program).compile()
 
-    def _start_from(self, path: str):
-        raise ValueError("inner.init_from is for meta-training; pretrain continues a run by resuming its work dir")
-
-    def _outer_step(self, state, batches, outer_batch):
-        def one(carry, batch):
-            params, opt = carry
-            loss, grads = jax.value_and_grad(self.task.inner_loss)(params, None, batch)
-            params, opt = self.task.update(grads, params, opt, None)
-            return (params, opt), (loss, optax.tree.norm(grads))
-
-        (params, opt), (losses, norms) = jax.lax.scan(one, (state["params"], state["opt"]), batches)
-        outer = self.task.outer_loss(params, None, outer_batch)
-        ok = jnp.isfinite(losses).all() & jnp.isfinite(norms).all() & jnp.isfinite(outer)
-        new = {"step": state["step"] + 1, "params": keep_if(ok, params, state["params"]),
-               "opt": keep_if(ok, opt, state["opt"])}
-        return new, {"outer_loss": outer, "inner_loss": losses.mean(), "grad_norm": norms.mean(), "finite": ok}
+    def _load_pretrained(self, path: str):
+        raise ConfigError("inner.init_from is for meta-training; pretrain continues a run by resuming its work dir")
 
     def _theta(self, which: str = "inner"):
         return self.state["params"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from metatrain.config import ConfigError, MeshConfig
+from metatrain.config import MeshConfig
+from metatrain.errors import ConfigError
 
 # Logical axis → mesh axis. FSDP shards every parameter (and its optimizer state) along `embed`,
 # which every weight matrix has; the rest is replicated. Batches are split over both mesh axes.
@@ -65,3 +67,8 @@ def device_bytes(tree) -> int:
 def batch_sharding(mesh, leading: int = 0) -> NamedSharding:
     """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp."""
     return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))
+
+
+def replicated(mesh) -> NamedSharding:
+    """Whole arrays on every device (readable on every host): metrics, evaluation outputs."""
+    return NamedSharding(mesh, P())

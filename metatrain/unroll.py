@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from metatrain import mixflow
+from metatrain.errors import ConfigError
 from metatrain.tasks import Task
 
 INNER_GRADS = "inner_grads"
-
-
 INNER_CHECKPOINTS = ("every_step", "sqrt", "binomial")
 
 
 @dataclasses.dataclass(frozen=True)
-class Unroll:
-    """How the meta-gradient is computed. Block remat is a model option (`ModelConfig.remat`).
+class MetaGradMethod:
+    """How the meta-gradient is computed: the differentiation mode, whether inner gradients are saved in
+    the per-step checkpoint, and which inner states are kept. Block remat is a model option
+    (`ModelConfig.remat`).
 
     `inner_checkpoint` says which inner states the forward pass keeps for the backward pass:
     `every_step` all T; `sqrt` the starts of ⌈T/k⌉ segments of k = ⌈√T⌉ steps, each segment re-run
@@ -42,9 +44,10 @@ class Unroll:
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
-            raise ValueError(f"unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
+            raise ConfigError(f"mode: unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
         if self.inner_checkpoint not in INNER_CHECKPOINTS:
-            raise ValueError(f"unknown inner_checkpoint {self.inner_checkpoint!r}; choose one of {INNER_CHECKPOINTS}")
+            raise ConfigError(f"inner_checkpoint: unknown schedule {self.inner_checkpoint!r}; "
+                              f"choose one of {INNER_CHECKPOINTS}")
 
 
 @dataclasses.dataclass
@@ -56,24 +59,24 @@ class OuterAux:
 jax.tree_util.register_dataclass(OuterAux, data_fields=["inner", "inner_losses"], meta_fields=[])
 
 
-def outer_loss(task: Task, unroll: Unroll) -> Callable:
+def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
-    inner_value_and_grad = mixflow.value_and_grad(task.inner_loss, unroll.mode)
+    inner_value_and_grad = mixflow.value_and_grad(task.inner_loss, method.mode)
 
     def step(carry, batch, meta):
         theta, opt_state = carry
         loss, grads = inner_value_and_grad(theta, meta, batch)
-        if unroll.save_inner_grads:
+        if method.save_inner_grads:
             grads = jax.tree.map(lambda g: checkpoint_name(g, INNER_GRADS), grads)
         return task.update(grads, theta, opt_state, meta), loss
 
-    policy = (jax.checkpoint_policies.save_only_these_names(INNER_GRADS) if unroll.save_inner_grads
+    policy = (jax.checkpoint_policies.save_only_these_names(INNER_GRADS) if method.save_inner_grads
               else jax.checkpoint_policies.nothing_saveable)
     step = jax.checkpoint(step, policy=policy)
 
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
-        final, inner_losses = unrolled(lambda c, b: step(c, b, meta), start, batches, unroll.inner_checkpoint)
+        final, inner_losses = unrolled(lambda c, b: step(c, b, meta), start, batches, method.inner_checkpoint)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
@@ -90,7 +93,7 @@ def segments(n_steps: int, schedule: str) -> list[int]:
 
 
 def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
-    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `Unroll`)."""
+    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `MetaGradMethod`)."""
     n = jax.tree.leaves(batches)[0].shape[0]
     if schedule == "every_step" or n <= 2:
         return jax.lax.scan(step, carry, batches)
@@ -120,6 +123,6 @@ def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
     return halves(carry, batches)
 
 
-def meta_value_and_grad(task: Task, unroll: Unroll) -> Callable:
+def meta_value_and_grad(task: Task, method: MetaGradMethod) -> Callable:
     """`g(meta, inner, batches, outer_batch) -> ((V, OuterAux), dV/dmeta)`."""
-    return jax.value_and_grad(outer_loss(task, unroll), has_aux=True)
+    return jax.value_and_grad(outer_loss(task, method), has_aux=True)

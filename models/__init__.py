@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models.config import LADDER, TINY, ModelConfig, param_count, preset
-from models.transformer import Transformer, next_token_loss
+from metatrain.models.config import LADDER, SMALL_PRESETS, ModelConfig, param_count, preset
+from metatrain.models.transformer import Transformer, next_token_loss
 
 
 def init(cfg: ModelConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
@@ -21,5 +21,5 @@ def abstract_init(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(model)
 
 
-__all__ = ["LADDER", "TINY", "ModelConfig", "Transformer", "abstract_init", "init", "next_token_loss",
+__all__ = ["LADDER", "SMALL_PRESETS", "ModelConfig", "Transformer", "abstract_init", "init", "next_token_loss",
            "param_count", "preset"]

@@ -1,10 +1,13 @@
-"""Model configuration and the Chinchilla size ladder used by the MixFlow-MG paper (Table A.9)."""
+"""Model configuration and the Chinchilla size ladder of the MixFlow-MG paper's Table 6 ("Chinchilla models from
+Hoffmann et al. (2022a) used in scaling benchmarks")."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
+
+from metatrain.errors import ConfigError
 
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 HEADS = ("lm", "score")
@@ -38,28 +41,28 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.kv_size < 0:
-            raise ValueError(f"model.kv_size must be >= 0 (0 = d_model // n_heads), got {self.kv_size}")
+            raise ConfigError(f"model.kv_size must be >= 0 (0 = d_model // n_heads), got {self.kv_size}")
         if self.kv_size == 0 and self.d_model % self.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "change one of them or set model.kv_size explicitly")
         if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even per-head size, got {self.head_dim}")
+            raise ConfigError(f"RoPE needs an even per-head size, got {self.head_dim}")
         if self.head not in HEADS:
-            raise ValueError(f"model.head must be one of {HEADS}, got {self.head!r}")
+            raise ConfigError(f"model.head must be one of {HEADS}, got {self.head!r}")
         if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+            raise ConfigError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         if self.attention not in ("dense", "blockwise"):
-            raise ValueError(f"model.attention must be dense or blockwise, got {self.attention!r}")
+            raise ConfigError(f"model.attention must be dense or blockwise, got {self.attention!r}")
         if self.attention_block <= 0:
-            raise ValueError(f"model.attention_block must be > 0, got {self.attention_block}")
+            raise ConfigError(f"model.attention_block must be > 0, got {self.attention_block}")
         if self.compute_dtype not in ("", "float32", "float64", "bfloat16"):
-            raise ValueError(f"model.compute_dtype must be float32, bfloat16 or empty (= param_dtype), "
+            raise ConfigError(f"model.compute_dtype must be float32, bfloat16 or empty (= param_dtype), "
                              f"got {self.compute_dtype!r}")
         if self.param_dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"model.param_dtype must be float32, float64 or bfloat16, got {self.param_dtype!r}")
+            raise ConfigError(f"model.param_dtype must be float32, float64 or bfloat16, got {self.param_dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +76,7 @@ class ModelConfig:
     def activation_dtype(self):
         return jnp.dtype(self.compute_dtype or self.param_dtype)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -112,7 +115,7 @@ LADDER = {
 }
 LADDER_VOCAB = 32_000  # Chinchilla's SentencePiece vocabulary
 
-TINY = {
+SMALL_PRESETS = {  # for tests, check-grads and CPU benchmarks
     "tiny": ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=2),
     "small": ModelConfig(vocab_size=1024, d_model=64, n_heads=4, d_ff=256, n_layers=2),
     "bench": ModelConfig(vocab_size=1024, d_model=128, n_heads=4, d_ff=512, n_layers=8),
@@ -125,8 +128,8 @@ def preset(name: str, **overrides) -> ModelConfig:
     if key in LADDER:
         _, d, f, k, h, n = LADDER[key]
         base = ModelConfig(vocab_size=LADDER_VOCAB, d_model=d, d_ff=f, kv_size=k, n_heads=h, n_layers=n)
-    elif key in TINY:
-        base = TINY[key]
+    elif key in SMALL_PRESETS:
+        base = SMALL_PRESETS[key]
     else:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(TINY) + list(LADDER)}")
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(SMALL_PRESETS) + list(LADDER)}")
     return base.replace(**overrides)

@@ -2,8 +2,9 @@
 applied by a `lax.scan`, with optional per-block rematerialisation.
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`, `layers`) that the
-Trainer maps onto a device mesh. Only the block stack is scanned: on CPU as on TPU that is what
-lets block remat actually bound activation memory (see FACTS.md).
+Trainer maps onto a device mesh. Only the block stack is scanned: with a Python loop over remat'd
+blocks XLA:CPU schedules the recomputations early and block remat saves almost nothing, while a scan
+with remat on its body bounds activation memory on CPU as on TPU.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
+from metatrain.models.config import ModelConfig
 
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import traceback
 
 from metatrain.tasks.base import Task, TaskError, validate
 from metatrain.tasks.learned_lr import LearnedLR
@@ -25,6 +26,12 @@ def task_class(name: str) -> type[Task]:
     except ImportError as e:
         raise TaskError(f"task {name!r}: cannot import module {module_name!r} ({e}); "
                         "is it installed or on PYTHONPATH?") from None
+    except Exception as e:  # noqa: BLE001 — the user's module failed while importing: name it
+        where = next((f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__))
+                      if f.filename.endswith(module_name.replace(".", "/") + ".py")), module_name)
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise TaskError(f"task {name!r}: importing module {module_name!r} raised {type(e).__name__} at {where}: "
+                        f"{why}") from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise TaskError(f"task {name!r}: module {module_name!r} has no attribute {attr!r}")

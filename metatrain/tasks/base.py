@@ -10,6 +10,8 @@ method                                 Algorithm 2
 `init_inner(key, eta) -> (theta, opt)` inner state (θ0, υ0) at the start of training
 `inner_start(eta, inner) -> (theta,    the state an outer step starts from: the carried
 opt)`                                  one by default (truncated BPTT); MAML: θ0 = η
+`resets_inner` (class attribute)       True when every outer step restarts from η: then
+                                       no inner state is carried (`inner` is None)
 `inner_loss(theta, eta, batch)`        L(θ, η, x): a scalar
 `update(grads, theta, opt, eta)`       Υ(∇L, θ, υ, η) -> (θ', υ')
 `outer_loss(theta, eta, batch)`        V(θ_T, η, x_val): a scalar
@@ -29,14 +31,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import models
-from models import ModelConfig
+from metatrain import models
+from metatrain.errors import TaskError
+from metatrain.models import ModelConfig
 
 Pytree = Any
-
-
-class TaskError(ValueError):
-    """A task broke the contract above; the message names the task and the problem."""
 
 
 class Task:
@@ -48,6 +47,9 @@ class Task:
     """
 
     name = "task"
+    # True: every outer step starts from η (MAML), so the Trainer keeps no inner state between steps and
+    # `inner_start` gets `inner=None`. False: the inner state (θ, υ) is carried from step to step.
+    resets_inner: bool = False
 
     def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None):
         self.model = model
@@ -77,7 +79,8 @@ class Task:
     def outer_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
         return self.example_losses(theta, batch).mean()
 
-    def start_from(self, params: Pytree, meta: Pytree, inner) -> tuple[Pytree, tuple[Pytree, Pytree] | None]:
+    def place_pretrained(self, params: Pytree, meta: Pytree, inner
+                         ) -> tuple[Pytree, tuple[Pytree, Pytree] | None]:
         """Put pretrained inner-model parameters in place (`inner.init_from`): tasks that restart from η
         (MAML) take them as η, the others as θ with a fresh inner optimiser state. Returns (meta, inner)."""
         if self.resets_inner:
@@ -85,11 +88,6 @@ class Task:
         return meta, (params, self.inner_opt.init(params))
 
     # ---- helpers ---------------------------------------------------------------------------
-    @property
-    def resets_inner(self) -> bool:
-        """True when every outer step starts from η (the carried inner state is not used)."""
-        return type(self).inner_start is not Task.inner_start
-
     def example_losses(self, theta: Pytree, batch: dict) -> jax.Array:
         """Next-token loss per example, [batch], of the inner model with parameters `theta`."""
         tokens = batch["tokens"]
@@ -127,7 +125,9 @@ def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict
         except Exception as e:  # noqa: BLE001 — re-raised with the task's name and the method
             fail(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
-    theta, opt_state = call("inner_start(meta, inner)", task.inner_start, meta, inner)
+    if not isinstance(getattr(type(task), "resets_inner", None), bool):
+        fail("resets_inner must be a class attribute True or False (True: every outer step restarts from η)")
+    theta, opt_state = call("inner_start(meta, inner)", task.inner_start, meta, None if task.resets_inner else inner)
     for what, fn, args in (("inner_loss", task.inner_loss, (theta, meta, batch)),
                            ("outer_loss", task.outer_loss, (theta, meta, batch))):
         out = call(f"{what}(theta, meta, batch)", fn, *args)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import models
+from metatrain import models
 from metatrain.tasks.base import Pytree, Task
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import jax
 
-import models
+from metatrain import models
 from metatrain.tasks.base import Pytree, Task
 
 
 class MAML(Task):
     name = "maml"
+    resets_inner = True
 
     def init_meta(self, key: jax.Array) -> Pytree:
         return models.init(self.model, key)[1]

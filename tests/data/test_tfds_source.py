@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import one_line_error
 
-from data import tfds_source
 from metatrain import cli
+from metatrain.data import tfds_source
 
 
 def _corpus(tmp_path):
@@ -25,7 +26,7 @@ def test_build_and_read_back_in_subprocess(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "from 13 file(s)" in out and "5 undecodable byte(s) replaced" in out
     code = (
-        "import json, grain; from data.tfds_source import text_source\n"
+        "import json, grain; from metatrain.data.tfds_source import text_source\n"
         f"s = text_source('local_docs', 'train', {str(data_dir)!r})\n"
         "docs = sorted(grain.MapDataset.source(s))\n"
         "print(json.dumps({'n': len(s), 'first': docs[0][:12]}))\n")
@@ -75,3 +76,35 @@ def test_empty_corpus_and_unprepared_names(tmp_path, capsys):
     assert "'lm1b'" in err and "tfds build lm1b" in err
     assert cli.main(["data", "build", str(tmp_path / "nope"), "--name", "x"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_building_an_existing_name_is_refused_unless_overwritten(tmp_path, capsys):
+    src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    assert cli.main(["data", "build", str(src), "--name", "twice", "--data-dir", str(data_dir)]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(3):
+        (other / f"new{i}.txt").write_text(f"new document {i} " * 10)
+    capsys.readouterr()
+    assert cli.main(["data", "build", str(other), "--name", "twice", "--data-dir", str(data_dir)]) == 2
+    one_line_error(capsys.readouterr().err, "--name 'twice': a dataset of that name already exists", "--overwrite")
+    assert len(tfds_source.text_source("twice", "train", str(data_dir))) == 13  # the old one, untouched
+    assert cli.main(["data", "build", str(other), "--name", "twice", "--data-dir", str(data_dir), "--overwrite"]) == 0
+    assert "from 3 file(s)" in capsys.readouterr().out
+    assert len(tfds_source.text_source("twice", "train", str(data_dir))) == 3
+
+
+def test_a_corpus_smaller_than_one_batch_is_said_with_the_figures(tmp_path, capsys):
+    from metatrain.data.pipeline import DataConfig, Streams
+
+    src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    tfds_source.build_text_dataset([str(src)], "few_docs", str(data_dir))
+    capsys.readouterr()
+    # 13 documents: 10 inner, 2 outer (every 10th), 1 held out; 2 rows of 65 tokens fit in each stream
+    Streams(DataConfig(source="tfds:few_docs", data_dir=str(data_dir), vocab_size=1024, seq_len=64, batch=2), 0, 1)
+    assert "warning" not in capsys.readouterr().err
+    Streams(DataConfig(source="tfds:few_docs", data_dir=str(data_dir), vocab_size=1024, seq_len=64, batch=64), 0, 1)
+    err = capsys.readouterr().err
+    assert "warning: the inner stream's 10 document(s) per data shard hold 1,768 tokens, fewer than one batch " \
+           "(64 rows x 65 = 4,160 tokens)" in err
+    assert "the outer stream's 2 document(s)" in err and "the held-out stream's 1 document(s)" in err

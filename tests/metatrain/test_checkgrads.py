@@ -5,35 +5,41 @@ import json
 import jax
 import pytest
 
-import models
-from metatrain import checkgrads, cli
-from metatrain.problem import Shapes
+from metatrain import checkgrads, cli, models
+from metatrain.bench.variants import parse_variant
+from metatrain.data.pipeline import DataConfig
 from metatrain.tasks import MAML
 
+SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
 
-@pytest.mark.parametrize("task,modes", [("learned_lr", ("default", "mixflow")), ("loss_weighting", ("mixflow", "revfwd"))])
-def test_builtin_tasks_all_variants(task, modes):
-    """Every mode x remat x save variant against plain reverse-over-reverse and finite differences (the CLI
-    covers all 12 for each task; here two modes per task keep CI short)."""
-    checkgrads.enable_float64()
-    results = checkgrads.check_grads(task, models.preset("tiny"), Shapes(2, 2, 8), modes=modes)
-    assert {r.variant for r in results} >= {f"{m}+remat+save" for m in modes}
-    assert len(results) == 4 * len(modes) + ("default" not in modes)  # plain reverse-over-reverse always runs
+
+# Between them the check-grads tests here and in test_tasks.py run each mode with and without block remat and
+# saved gradients, on some task (the CLI runs in docs/benchmarks.md cover all 12 variants on each task); plain
+# reverse-over-reverse is always the reference. float64 stays inside the check.
+@pytest.mark.parametrize("task, names", [
+    ("learned_lr", "default+remat,mixflow+save,revfwd+remat"),
+    ("loss_weighting", "mixflow+remat+save,revfwd+save"),
+])
+def test_builtin_tasks(task, names):
+    only = [parse_variant(n) for n in names.split(",")]
+    results = checkgrads.check_grads(task, models.preset("tiny"), SHAPES, only=only)
+    assert not jax.config.jax_enable_x64
+    assert [r.variant for r in results] == ["default", *names.split(",")]
     for r in results:
         assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6 and r.ok, r
 
 
 def test_cli_maml_blockwise_sqrt_writes_json_and_exits_zero(tmp_path, capsys):
-    """MAML with blockwise attention (3 blocks over S=8, the last padded), MixFlow's 4 variants with the sqrt
-    schedule over T=5, against plain reverse-over-reverse keeping every step, and finite differences."""
+    """MAML with blockwise attention (3 blocks over S=8, the last padded), the sqrt schedule over T=3 (segments of
+    2 and 1 steps), against plain reverse-over-reverse with dense attention keeping every step, and finite
+    differences."""
     out = tmp_path / "grads.json"
-    assert cli.main(["check-grads", "--task", "maml", "--attention", "blockwise", "--attention-block", "3",
-                     "--inner-steps", "5", "--inner-checkpoint", "sqrt", "--modes", "mixflow",
-                     "--json", str(out)]) == 0
+    assert cli.main(["check-grads", "--task", "maml", "--inner-steps", "3", "--inner-checkpoint", "sqrt",
+                     "--attention-block", "3", "--variants", "mixflow+remat+save+blockwise", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert len(report["results"]) == 5 and all(r["ok"] for r in report["results"])
-    assert "mixflow+remat+save+sqrt" in {r["variant"] for r in report["results"]}
-    assert "all 5 variants within tolerance" in capsys.readouterr().out
+    assert [r["variant"] for r in report["results"]] == ["default", "mixflow+remat+save+sqrt+blockwise"]
+    assert all(r["ok"] for r in report["results"])
+    assert "all 2 variants within tolerance" in capsys.readouterr().out
 
 
 @jax.custom_vjp
@@ -52,8 +58,8 @@ class WrongGradientTask(MAML):
 
 
 def test_check_fails_on_a_wrong_gradient(capsys):
-    assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--modes", "default"]) == 1
-    assert "FAILED: 4 variant(s)" in capsys.readouterr().out
+    assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--variants", "default"]) == 1
+    assert "FAILED: 1 variant(s) past tolerance (rel 1e-10, fd 1e-06): default" in capsys.readouterr().out
 
 
 def test_cli_bad_task_is_a_one_line_error(capsys):

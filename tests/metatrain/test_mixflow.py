@@ -7,7 +7,12 @@ import pytest
 
 from metatrain import mixflow
 
-jax.config.update("jax_enable_x64", True)
+
+@pytest.fixture(autouse=True)
+def float64():
+    """These checks compare to 1e-12: float64, switched on for each test only (the rest of the session is float32)."""
+    with jax.enable_x64(True):
+        yield
 
 
 def inner_loss(theta, eta, batch):
@@ -58,13 +63,14 @@ def test_forward_value_is_plain_gradient(problem):
 def test_hvp_and_mixed_product_closed_form():
     """L = 0.5 θᵀAθ + θ·(Bη): cotangent v on ∇L maps to (A v, Bᵀ v)."""
     rng = np.random.default_rng(3)
-    A = rng.normal(size=(3, 3)); A = jnp.asarray(A + A.T)
+    A = rng.normal(size=(3, 3))
+    A = jnp.asarray(A + A.T)
     B = jnp.asarray(rng.normal(size=(3, 2)))
     loss = lambda th, eta: 0.5 * th @ A @ th + th @ (B @ eta)
     v = jnp.asarray(rng.normal(size=3))
     for mode in ("mixflow", "revfwd"):
         f = mixflow.value_and_grad(loss, mode)
-        _, vjp = jax.vjp(lambda th, eta: f(th, eta)[1], jnp.ones(3), jnp.ones(2))
+        _, vjp = jax.vjp(lambda th, eta, f=f: f(th, eta)[1], jnp.ones(3), jnp.ones(2))
         d_th, d_eta = vjp(v)
         np.testing.assert_allclose(d_th, A @ v, rtol=1e-12)
         np.testing.assert_allclose(d_eta, B.T @ v, rtol=1e-12)

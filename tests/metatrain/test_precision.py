@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-import models
-from metatrain.problem import Shapes, build_task, parse_variant
+from metatrain import models
+from metatrain.bench.variants import build_task, parse_variant
+from metatrain.data.pipeline import DataConfig
+from metatrain.step import random_batches
 from metatrain.unroll import meta_value_and_grad
 
 
@@ -20,8 +22,9 @@ def _run(compute_dtype):
     task = build_task("learned_lr", model, remat=True)
     meta = task.init_meta(jax.random.key(0))
     inner = task.init_inner(jax.random.key(1), meta)
-    batches, outer_batch = Shapes(2, 4, 32).batches(model.vocab_size, jax.random.key(2))
-    (value, aux), grad = jax.jit(meta_value_and_grad(task, parse_variant("mixflow+remat+save").unroll))(
+    batches, outer_batch = random_batches(DataConfig(inner_steps=2, batch=4, seq_len=32), model.vocab_size,
+                                          jax.random.key(2))
+    (value, aux), grad = jax.jit(meta_value_and_grad(task, parse_variant("mixflow+remat+save").method))(
         meta, inner, batches, outer_batch)
     return value, aux.inner, grad
 

@@ -1,86 +1,70 @@
-"""The Trainer end to end on a tiny model: bad configs, exact resume after SIGKILL, 1 vs 8 devices, bad steps."""
+"""The Trainer end to end on the shared tiny run: what it prints and logs, checked against independent
+recomputations, and the same compiled program in the Trainer, `metatrain compile` and `bench memory`."""
 
+import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
+import struct
 
-import jax.numpy as jnp
+import jax
 import numpy as np
-import pytest
+from helpers import TINY, saved_state
 
-from helpers import TINY, assert_same_params, leaves, saved_state
 from metatrain import cli
-from metatrain.tasks import LossWeighting
+from metatrain import config as config_lib
+from metatrain.data.pipeline import Streams, to_global
+from metatrain.tasks import make_task
 
 
-
-def _train(workdir, *extra, devices=1, resume=False, background=False, command="train"):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    cmd = [sys.executable, "-m", "metatrain.cli", command, *TINY, f"workdir={workdir}", *extra]
-    if resume:
-        cmd.append("--resume")
-    if background:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout
+def _lines(stdout):
+    return {line.split(": ")[0]: line.split(": ", 1)[1] for line in stdout.strip().splitlines() if ": " in line}
 
 
-def _checkpoints(workdir):
-    d = os.path.join(workdir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+def _rank_auc(scores, positive):
+    """ROC AUC by the rank-sum formula (average ranks for ties): independent of the Trainer's pairwise count."""
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    i = 0
+    while i < len(scores):
+        j = i
+        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    n_pos, n_neg = positive.sum(), (~positive).sum()
+    return (ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-def test_exact_resume_after_sigkill(tmp_path):
-    killed, straight = tmp_path / "killed", tmp_path / "straight"
-    proc = _train(killed, "steps=1000", "checkpoint_every=3", background=True)
-    deadline = time.time() + 300
-    while not _checkpoints(killed):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    latest = _checkpoints(killed)[-1]
-    assert latest < 1000
-    target = latest + 3
-    out = _train(killed, f"steps={target}", resume=True)
-    assert "resuming the run" in out
-    _train(straight, f"steps={target}")
-    a, b = saved_state(killed, target), saved_state(straight, target)
-    for key in ("meta", "inner"):
-        for x, y in zip(leaves(a[key]), leaves(b[key])):
-            np.testing.assert_array_equal(x, y)  # bit-identical
+def test_closing_lines_match_an_independent_evaluation(shared_run):
+    """The printed AUC and validation losses are recomputed here from the saved state and held-out data."""
+    lines = _lines(shared_run["stdout"])
+    workdir = shared_run["workdir"]
+    cfg = config_lib.load(os.path.join(workdir, "config.yaml"))
+    streams = Streams(cfg.data)
+    model = cfg.model.replace(vocab_size=streams.tokenizer.vocab_size)
+    task = make_task(cfg.task, model=model, inner_lr=cfg.inner_lr)
+    state = saved_state(workdir, 4)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    batches = [to_global(b, device) for b in streams.test_batches(64, cfg.data.corrupt_fraction, seed=777)]
+    scores, flags = [], []
+    for b in batches[:8]:  # max(eval_batches, 8); this sample has both classes
+        scores.append(np.asarray(task.scores(state["meta"], b)))
+        flags.append(np.asarray(b["corrupted"]))
+    scores, flags = np.concatenate(scores), np.concatenate(flags).astype(bool)
+    assert 0 < flags.sum() < len(flags)
+    assert float(lines["corrupted-example AUC"]) == round(_rank_auc(scores, ~flags), 3)
 
-
-def test_one_device_and_eight_devices_agree(tmp_path):
-    one, eight = tmp_path / "one", tmp_path / "eight"
-    _train(one, "steps=3", "checkpoint_every=0")
-    out = _train(eight, "steps=3", "checkpoint_every=0", "mesh.fsdp=2", devices=8)
-    assert "4x2 (data x fsdp) devices" in out
-    a, b = saved_state(one, 3), saved_state(eight, 3)
-    for key in ("meta", "inner"):
-        assert_same_params(a[key], b[key])
-
-
-def test_restore_onto_a_different_mesh(tmp_path):
-    """A checkpoint written on 8 devices (mesh 4x2) resumes on 1 and lands where a 1-device run does."""
-    moved, straight = tmp_path / "moved", tmp_path / "straight"
-    _train(moved, "steps=2", "checkpoint_every=0", "mesh.fsdp=2", devices=8)
-    _train(moved, "steps=4", "checkpoint_every=0", "mesh.fsdp=1", resume=True)  # the saved config says fsdp=2
-    _train(straight, "steps=4", "checkpoint_every=0")
-    a, b = saved_state(moved, 4), saved_state(straight, 4)
-    for key in ("meta", "inner"):
-        assert_same_params(a[key], b[key])
+    test = [to_global(b, device) for b in streams.test_batches(cfg.eval_batches)]
+    loss = lambda theta: float(np.mean([task.example_losses(theta, b).mean() for b in test]))
+    start, end = (float(x) for x in lines["validation loss"].split(" -> "))
+    assert abs(end - loss(state["inner"][0])) < 1e-4
+    assert abs(float(lines["baseline validation loss"]) - loss(state["base"]["inner"][0])) < 1e-4
+    assert abs(start - np.log(model.vocab_size)) < 0.5  # a fresh model: about uniform next-token guesses
 
 
 def _tensorboard_scalars(logdir):
     """{tag: [(step, value)]} read from the TFRecord-framed Event protos tensorboardX wrote."""
-    import struct
-
     from tensorboardX.proto import event_pb2
 
     scalars = {}
@@ -96,60 +80,75 @@ def _tensorboard_scalars(logdir):
     return scalars
 
 
-def test_main_job_lines(tmp_path):
-    out = _train(tmp_path / "run", "steps=4", "baseline=uniform", "mode=auto", "inner_checkpoint=auto")
-    choice = json.loads((tmp_path / "run" / "mode_auto.json").read_text())  # auto: the lowest peak wins
-    peaks = {name: c["peak_bytes"] for name, c in choice["candidates"].items()}
-    assert set(peaks) == {f"{m}+{s}" for m in ("default", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
-    assert peaks[f"{choice['mode']}+{choice['inner_checkpoint']}"] <= 1.01 * min(peaks.values())
-    lines = out.strip().splitlines()
-    assert lines[-1].startswith("validation loss: ") and " -> " in lines[-1]
-    assert any(line.startswith("baseline validation loss: ") for line in lines)
-    auc = float(next(line for line in lines if line.startswith("corrupted-example AUC: ")).split(": ")[1])
-    assert 0.0 <= auc <= 1.0
-    assert os.path.exists(tmp_path / "run" / "curves.png") and os.path.exists(tmp_path / "run" / "metrics.jsonl")
-    scalars = _tensorboard_scalars(tmp_path / "run" / "tensorboard")
-    assert [step for step, _ in scalars["outer_loss"]] == [1, 2, 3, 4]
-    assert all(np.isfinite(v) for _, v in scalars["meta_grad_norm"])
+def test_metrics_reach_jsonl_tensorboard_and_wandb_alike(shared_run):
+    workdir = shared_run["workdir"]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(r["meta_grad_norm"]) for r in rows)
+    scalars = _tensorboard_scalars(workdir / "tensorboard")
+    for key in ("outer_loss", "baseline_outer_loss", "meta_grad_norm"):
+        assert scalars[key] == [(r["step"], np.float32(r[key])) for r in rows]
+    calls = [json.loads(line) for line in open(shared_run["wandb"])]
+    init = calls[0]
+    assert init["call"] == "init" and init["resume"] == "allow" and init["name"] == "run"
+    assert init["id"] == (workdir / "wandb_id").read_text().strip() and "model.d_model" in init["config_keys"]
+    logged = [c for c in calls if c["call"] == "log"]
+    assert [(c["step"], c["data"]["outer_loss"]) for c in logged] == [(r["step"], r["outer_loss"]) for r in rows]
+    assert calls[-1]["call"] == "finish"
+    assert (workdir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4]
 
 
-class NaNOuterLoss(LossWeighting):
-    def outer_loss(self, theta, meta, batch):
-        return super().outer_loss(theta, meta, batch) * jnp.nan
+def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, tmp_path, capsys):
+    """One config, three tools: equal memory_analysis() figures (a different program would differ)."""
+    trainer = json.loads((shared_run["workdir"] / "outer_step.json").read_text())
+    model_flags = ["--task", "loss_weighting", "--model", "tiny", "--vocab", "300", "--d-model", "16", "--n-heads",
+                   "2", "--d-ff", "32", "--n-layers", "2", "--seq-len", "16", "--batch", "8", "--inner-steps", "2"]
+    same_run = ["baseline=uniform", "inner_lr=0.01", "steps=4"]  # and the default preset's model.remat=false
+    assert cli.main(["compile", *model_flags, "--no-remat", "--json", str(tmp_path / "c.json"), *same_run]) == 0
+    assert cli.main(["bench", "memory", *model_flags, "--variants", "mixflow+save", "--baseline", "mixflow+save",
+                     "--json", str(tmp_path / "m.json"), *same_run]) == 0
+    compiled = json.loads((tmp_path / "c.json").read_text())
+    (bench,) = json.loads((tmp_path / "m.json").read_text())
+    keys = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
+    assert trainer["mode"] == "mixflow" and trainer["alias_bytes"] > 0  # the state is donated
+    assert [trainer[k] for k in keys] == [compiled[k] for k in keys] == [bench[k] for k in keys]
+    # a different program is told apart: block remat on changes the temporaries
+    assert cli.main(["compile", *model_flags, "--json", str(tmp_path / "other.json"), *same_run]) == 0
+    assert json.loads((tmp_path / "other.json").read_text())["temp_bytes"] != trainer["temp_bytes"]
 
 
-def test_non_finite_meta_gradients_are_skipped_then_stop(tmp_path, capsys):
-    workdir = tmp_path / "nan"
-    code = cli.main(["train", *TINY, f"task={__name__}:NaNOuterLoss", f"workdir={workdir}", "steps=10",
-                     "max_bad_steps=3"])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "3 non-finite gradients or losses in a row at step 3" in err and "last good checkpoint" in err
+def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
+    """mode=auto and inner_checkpoint=auto: six candidates, each figure that of the program `compile` makes for
+    it, and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""
+    from metatrain import auto
+    from metatrain.bench.compile import compile_report
+    from metatrain.sharding import make_mesh
+
+    cfg = config_lib.load(None, [*TINY, "task=maml", "mode=auto", "inner_checkpoint=auto", "data.inner_steps=4",
+                                 f"workdir={tmp_path}"])
+    cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=300))
+    choice, program, _ = auto.choose(cfg, make_mesh(cfg.mesh))
+    figures = choice["candidates"]
+    assert set(figures) == {f"{m}+{s}" for m in ("default", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
+    for name, f in figures.items():
+        one = dataclasses.replace(cfg, mode=f["mode"], inner_checkpoint=f["inner_checkpoint"])
+        assert compile_report(one)["peak_bytes"] == f["peak_bytes"], name
+    lowest = min(f["peak_bytes"] for f in figures.values())
+    tied = {n: f for n, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest}
+    best = min(tied, key=lambda n: tied[n]["flops"])
+    assert (choice["mode"], choice["inner_checkpoint"]) == (figures[best]["mode"], figures[best]["inner_checkpoint"])
+    assert program.method.mode == choice["mode"] and program.method.inner_checkpoint == choice["inner_checkpoint"]
+    # at T=4 keeping 2 segment starts instead of 4 states must show: sqrt's best peak is below every_step's
+    peak = lambda s: min(f["peak_bytes"] for f in figures.values() if f["inner_checkpoint"] == s)
+    assert peak("sqrt") < peak("every_step")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.dmodel=3", "model.dmodel: Key 'dmodel' not in 'ModelConfig'"),
-    ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
-    ("mesh.data=3", "mesh: data=3 x fsdp=1 does not divide the 1 devices"),
-    ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
-    ("mode=fast", "mode: 'fast' is not one of"),
-    ("data.seq_len=0", "data.seq_len must be > 0"),
-])
-def test_bad_configs_are_one_line_errors(tmp_path, capsys, override, message):
-    assert cli.main(["train", *TINY, f"workdir={tmp_path}", override]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err and "Traceback" not in err
+def test_roc_auc_against_the_rank_formula():
+    from metatrain.trainer import roc_auc
 
-
-def test_batch_must_divide_the_data_axis(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={tmp_path}",
-                          "data.batch=6"], env=env, capture_output=True, text=True)
-    assert res.returncode == 2
-    assert "data.batch: 6 does not divide over the 4 data x fsdp devices" in res.stderr
-    assert "Traceback" not in res.stderr
-
-
-def test_resume_needs_a_checkpoint(tmp_path, capsys):
-    assert cli.main(["train", *TINY, f"workdir={tmp_path}", "--resume"]) == 2
-    assert "has no checkpoint to resume from" in capsys.readouterr().err
+    rng = np.random.default_rng(0)
+    scores = np.round(rng.normal(size=200), 1)  # many ties
+    positive = rng.random(200) < 0.3
+    assert abs(roc_auc(scores, positive) - _rank_auc(scores, positive)) < 1e-12
+    assert roc_auc(np.array([1.0, 2.0, 3.0]), np.array([0, 1, 1])) == 1.0
+    assert np.isnan(roc_auc(np.array([1.0, 2.0]), np.array([1, 1])))

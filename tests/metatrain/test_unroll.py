@@ -8,7 +8,12 @@ import pytest
 from metatrain import mixflow
 from metatrain.unroll import segments, unrolled
 
-jax.config.update("jax_enable_x64", True)
+
+@pytest.fixture(autouse=True)
+def float64():
+    """These checks compare to 1e-12: float64, switched on for each test only (the rest of the session is float32)."""
+    with jax.enable_x64(True):
+        yield
 
 
 def inner_loss(theta, eta, x):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.transformer import attention_mask, blockwise_attention, dense_attention
+from metatrain.models.transformer import attention_mask, blockwise_attention, dense_attention
 
 
 def _inputs(dtype, b=2, s=37, h=2, d=8):
@@ -29,10 +29,11 @@ def test_blockwise_equals_dense(dtype, tol, block):
         dense = lambda q, k, v: dense_attention(q, k, v, attention_mask(seg))
         blockwise = lambda q, k, v: blockwise_attention(q, k, v, seg, block)
         assert _rel(dense(q, k, v), blockwise(q, k, v)) <= tol
-        loss = lambda f: lambda q, k, v: jnp.sum(w * f(q, k, v) ** 2)  # nonlinear: a nonzero Hessian
+        def loss(f):  # nonlinear: a nonzero Hessian
+            return lambda q, k, v: jnp.sum(w * f(q, k, v) ** 2)
+
         grads = [jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (dense, blockwise)]
         assert _rel(*grads) <= tol
         tangent = jax.random.normal(jax.random.key(2), (3,) + q.shape, dtype)
-        hvp = [jax.jvp(lambda *x: jax.grad(loss(f), argnums=(0, 1, 2))(*x), (q, k, v), tuple(tangent))[1]
-               for f in (dense, blockwise)]
+        hvp = [jax.jvp(jax.grad(loss(f), argnums=(0, 1, 2)), (q, k, v), tuple(tangent))[1] for f in (dense, blockwise)]
         assert _rel(*hvp) <= tol

@@ -1,0 +1,48 @@
+"""`mode: auto` and `inner_checkpoint: auto`: compile every candidate outer step ahead of time, keep the lowest peak.
+
+The candidates are the run's own program (`step.meta_program`) in each meta-gradient mode and/or with
+each inner-checkpoint schedule (every_step, sqrt). All of them compute the same meta-gradient
+(`metatrain check-grads` shows it), so the choice changes memory and time only: the lowest peak memory
+wins, and among candidates within 1% of it, the fewest FLOPs. The winner's compiled program is the one
+the Trainer runs (no second compile).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+
+from metatrain import step as step_lib
+from metatrain.aot import compiled_memory
+from metatrain.config import AUTO, Config
+from metatrain.mixflow import MODES
+
+SCHEDULES = ("every_step", "sqrt")
+
+
+def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program, jax.stages.Compiled]:
+    """(the choice with every candidate's figures, the chosen program, its compiled outer step)."""
+    modes = MODES if cfg.mode == AUTO else (cfg.mode,)
+    schedules = SCHEDULES if cfg.inner_checkpoint == AUTO else (cfg.inner_checkpoint,)
+    figures, built = {}, {}
+    for mode, schedule in itertools.product(modes, schedules):
+        program = step_lib.meta_program(cfg, mesh, mode, schedule)
+        compiled = step_lib.lower(program).compile()
+        m = compiled_memory(compiled)
+        name = mode if len(schedules) == 1 else f"{mode}+{schedule}"
+        figures[name] = {"mode": mode, "inner_checkpoint": schedule, "peak_bytes": m["peak_bytes"], "flops": m["flops"]}
+        built[name] = (program, compiled)
+    lowest = min(f["peak_bytes"] for f in figures.values())
+    tied = [name for name, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest]
+    best = min(tied, key=lambda name: figures[name]["flops"])
+    choice = {"mode": figures[best]["mode"], "inner_checkpoint": figures[best]["inner_checkpoint"],
+              "candidates": figures}
+    return choice, *built[best]
+
+
+def describe(choice: dict) -> str:
+    """One line: every candidate's peak and FLOPs, and the choice."""
+    return "auto: " + "; ".join(f"{n} peak {f['peak_bytes'] / 2**20:,.1f} MiB, {f['flops'] / 1e9:,.2f} GFLOPs"
+                                for n, f in choice["candidates"].items()) + (
+        f" -> mode={choice['mode']} inner_checkpoint={choice['inner_checkpoint']}")

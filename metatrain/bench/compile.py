@@ -1,0 +1,58 @@
+"""Compile a run's outer step ahead of time, here or for a TPU topology (libtpu, no TPU needed), and report
+its per-device memory and whether it fits.
+
+The program is the Trainer's own (`step.meta_program` + `step.lower`) over the run's mesh: this
+machine's devices, or the topology's chips with FSDP shardings. On a TPU, a program whose temporaries
+pass the chip's HBM fails to compile with RESOURCE_EXHAUSTED; the bytes it asked for are read from
+the message. One that compiles can still be over HBM once its arguments are counted, so `fits` is
+always peak <= HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from metatrain import step as step_lib
+from metatrain.aot import compiled_memory, required_bytes, topology_devices
+from metatrain.config import Config
+from metatrain.errors import ConfigError
+from metatrain.sharding import make_mesh
+
+
+def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Program, float | None]:
+    """The run's meta-training program over this machine's devices or a TPU topology, and the HBM per chip."""
+    devices, hbm = topology_devices(topology) if topology else (jax.devices(), None)
+    mesh = make_mesh(cfg.mesh, devices)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.data.batch % shards:
+        where = f"the {len(devices)} chips of {topology}" if topology else f"the {len(devices)} devices here"
+        raise ConfigError(f"--batch {cfg.data.batch} does not split over {where} (batches are split over data x "
+                          f"fsdp = {shards}); use a multiple of {shards}")
+    return step_lib.meta_program(cfg, mesh), hbm
+
+
+def compile_report(cfg: Config, topology: str | None = None, built: tuple | None = None) -> dict:
+    """Per-device memory of the run's outer step (and, on a TPU topology, whether it fits the chip's HBM).
+    `built`: `program_for(cfg, topology)` when the caller has it already."""
+    program, hbm = built or program_for(cfg, topology)
+    d = cfg.data
+    report = {"topology": topology, "backend": "tpu" if topology else jax.default_backend(),
+              "devices": program.mesh.size, "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
+              "model": dataclasses.asdict(cfg.model), "task": cfg.task, "mode": cfg.mode,
+              "save_inner_grads": cfg.save_inner_grads, "inner_checkpoint": cfg.inner_checkpoint,
+              "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
+    start = time.perf_counter()
+    try:
+        compiled = step_lib.lower(program).compile()
+    except Exception as e:  # noqa: BLE001 — only the TPU compiler's out-of-memory refusal is a result
+        need = required_bytes(e) if topology else None
+        if need is None:
+            raise
+        return report | {"fits": False, "exact": False, "required_bytes": need,
+                         "message": str(e).splitlines()[0][:300], "compile_s": round(time.perf_counter() - start, 2)}
+    m = compiled_memory(compiled)
+    return report | m | {"fits": None if hbm is None else m["peak_bytes"] <= hbm, "exact": True,
+                         "compile_s": round(time.perf_counter() - start, 2)}

@@ -1,0 +1,119 @@
+"""Ahead-of-time memory of the Trainer's outer step, per variant, from the compiler's own buffer assignment.
+
+Nothing is allocated: the run's outer step (`metatrain.step`: T inner steps, the outer loss, its
+meta-gradient and the meta-optimizer update, state donated) is lowered with `jax.ShapeDtypeStruct`
+inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TPU needed), and
+`compiled.memory_analysis()` gives the sizes. We split the peak as the paper does (Sec. 4, A.3):
+
+- peak     = arguments + outputs - aliased + temp   (everything live at the high-water mark)
+- static   = arguments + outputs - aliased + per-step checkpoints + ∇η: the state (η, the meta-optimizer
+             state, a carried inner state), the batches, T x (θ, υ) and with saved inner gradients
+             T x ∇L, and the meta-gradient: allocated once, written once.
+- dynamic  = peak - static: activations and partial derivatives that are reused from step to step.
+             This is what mixed-mode differentiation reduces.
+
+The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
+every figure is per chip (FSDP over all chips). A program whose temporaries pass the HBM does not
+compile there; its row carries the bytes the compiler asked for as its peak (`exact: false`,
+`fits: false`), static counted from shapes, temp unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from metatrain.bench.compile import compile_report, program_for
+from metatrain.bench.variants import Variant
+from metatrain.config import Config
+from metatrain.models import param_count
+from metatrain.sharding import abstract, device_bytes, tree_shardings
+from metatrain.step import batch_specs
+from metatrain.unroll import segments
+
+
+def _on_device(tree, mesh) -> int:
+    return 0 if tree is None else device_bytes(abstract(tree, tree_shardings(tree, mesh)))
+
+
+def profile(cfg: Config, variant: Variant, topology: str | None = None) -> dict:
+    """One row: memory and FLOPs of the run's outer step computed as `variant` does (per chip on a TPU)."""
+    cfg = variant.apply(cfg)
+    built = program_for(cfg, topology)
+    program, model, d = built[0], cfg.model, cfg.data
+    state, mesh = program.state_shapes, program.mesh
+    theta, opt_state = jax.eval_shape(program.task.inner_start, state["meta"], state["inner"])
+    per_step = _on_device(theta, mesh) + _on_device(opt_state, mesh)
+    # per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
+    # are dynamic memory)
+    kept = segments(d.inner_steps, variant.inner_checkpoint)
+    checkpoints = (d.inner_steps * (per_step + (_on_device(theta, mesh) if variant.save else 0))
+                   if len(kept) == d.inner_steps else len(kept) * per_step)
+    row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
+           "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
+           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
+           "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
+           "inner_steps": d.inner_steps, "inner_checkpoint": variant.inner_checkpoint,
+           "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
+           # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
+           "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
+           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints}
+    row["grad_bytes"] = row["param_bytes"]
+    report = compile_report(cfg, topology, built)
+    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",
+                                       "fits", "exact", "hbm_bytes", "compile_s")}
+    if not report["exact"]:  # the TPU compiler's refusal: its figure, static counted from shapes
+        inputs = device_bytes((abstract(state, program.state_shardings), batch_specs(d, mesh)))
+        static = inputs + checkpoints + row["grad_bytes"]
+        return row | {"peak_bytes": report["required_bytes"], "static_bytes": static,
+                      "dynamic_bytes": report["required_bytes"] - static}
+    static = report["peak_bytes"] - report["temp_bytes"] + checkpoints + row["grad_bytes"]
+    return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
+                  "dynamic_bytes": report["peak_bytes"] - static}
+
+
+def add_ratios(rows: list[dict], baseline: str) -> list[dict]:
+    """Adds baseline ÷ row ratios for temp, peak and dynamic bytes, within each config group."""
+    key = lambda r: (r["task"], r["params"], r["n_layers"], r["d_model"], r["seq_len"], r["batch"], r["inner_steps"])
+    base = {key(r): r for r in rows if r["variant"] == baseline}
+    for r in rows:
+        b = base.get(key(r))
+        for what in ("temp", "peak", "dynamic"):
+            ok = b and b[f"{what}_bytes"] is not None and (r[f"{what}_bytes"] or 0) > 0
+            r[f"{what}_ratio"] = b[f"{what}_bytes"] / r[f"{what}_bytes"] if ok else None
+    return rows
+
+
+def run(configs: list[Config], variant_list: list[Variant], baseline: str = "default+remat",
+        topology: str | None = None, progress: Callable = lambda it, **_: it) -> list[dict]:
+    """A row per config and variant (configs carry task, model and shapes), with ratios against `baseline`."""
+    jobs = [(c, v) for c in configs for v in variant_list]
+    return add_ratios([profile(c, v, topology) for c, v in progress(jobs, desc="compiling")], baseline)
+
+
+def count(n: int) -> str:
+    """A parameter count for people: 41.6M, 1.02B, 12.3K."""
+    return next(f"{n / s:,.{d}f}{u}" for s, u, d in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1), (1, "", 0))
+                if n >= s or s == 1)
+
+
+def table(rows: list[dict], baseline: str) -> str:
+    """Markdown table (GiB when the largest peak passes 4 GiB, else MiB), with ratios against the baseline."""
+    unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) > 4 * 2**30 else ("MiB", 2**20)
+    size = lambda b: "-" if b is None else f"{b / scale:,.{2 if unit == 'GiB' else 1}f}"
+    ratio = lambda x: "-" if x is None else f"{x:.2f}x"
+    cols = ["task", "params", "L", "variant", f"peak {unit}", f"static {unit}", f"dynamic {unit}",
+            f"checkpoints {unit}", f"temp {unit}", "GFLOPs", "peak ratio", "dynamic ratio"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        peak = size(r["peak_bytes"]) + ("" if r.get("exact", True) else " (refused: compiler's figure)")
+        peak += " (over HBM)" if r.get("fits") is False and r.get("exact", True) else ""
+        flops = "-" if r["flops"] is None else f"{r['flops'] / 1e9:,.1f}"
+        lines.append(f"| {r['task']} | {count(r['params'])} | {r['n_layers']} | {r['variant']} | {peak} | "
+                     f"{size(r['static_bytes'])} | {size(r['dynamic_bytes'])} | {size(r['checkpoint_bytes'])} | "
+                     f"{size(r['temp_bytes'])} | {flops} | {ratio(r['peak_ratio'])} | {ratio(r['dynamic_ratio'])} |")
+    where = f"per chip, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
+    return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
+                               f"less memory than {baseline}; static = inputs + outputs + per-step checkpoints + ∇η, "
+                               f"dynamic = the rest)")

@@ -1,0 +1,84 @@
+"""Step time of meta-gradient variants, side by side on whatever backend is present.
+
+Every variant's outer step (the Trainer's: `metatrain.step`, meta-optimizer update included, on this
+machine's devices) is compiled and warmed up first, on random batches. Then the
+variants run interleaved, one call each per round (the order rotating from round to round), so
+that slow drifts of the machine (other processes, frequency scaling) hit all of them alike. Each
+round gives one ratio baseline ÷ variant per variant; we report the median of those ratios and
+the median time. Only the timed call itself is measured (`block_until_ready`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+from metatrain import step as step_lib
+from metatrain.aot import compiled_memory
+from metatrain.bench.compile import program_for
+from metatrain.bench.variants import Variant
+from metatrain.config import Config
+from metatrain.errors import ConfigError
+from metatrain.step import random_batches
+
+
+class _Runner:
+    """One outer step per call, on the state the previous call left (the state is donated, as in training)."""
+
+    def __init__(self, cfg: Config, variant: Variant, seed: int):
+        program, _ = program_for(variant.apply(cfg))
+        self.compiled = step_lib.lower(program).compile()
+        k_state, k_data = jax.random.split(jax.random.key(seed))
+        self.state = step_lib.init(program, k_state)
+        specs = step_lib.batch_specs(program.data, program.mesh)
+        self.batches = [jax.device_put(b, jax.tree.map(lambda s: s.sharding, spec))
+                        for b, spec in zip(random_batches(program.data, cfg.model.vocab_size, k_data), specs)]
+
+    def __call__(self) -> None:
+        self.state, metrics = self.compiled(self.state, *self.batches)
+        jax.block_until_ready(metrics)
+
+
+def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int = 5, warmup: int = 1,
+            seed: int = 0, progress: Callable = lambda it, **_: it) -> list[dict]:
+    """One row per variant: median seconds per outer step, and the median per-round ratio baseline ÷ variant."""
+    names = [v.name for v in variant_list]
+    if baseline not in names:
+        raise ConfigError(f"--baseline {baseline} is not among the variants {names}")
+    calls, compile_s = {}, {}
+    for v in progress(variant_list, desc="compiling and warming up"):
+        tic = time.perf_counter()
+        calls[v.name] = _Runner(cfg, v, seed)
+        for _ in range(warmup):
+            calls[v.name]()
+        compile_s[v.name] = time.perf_counter() - tic
+    times = {n: [] for n in names}
+    for r in progress(range(rounds), desc="timing rounds"):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            tic = time.perf_counter()
+            calls[n]()
+            times[n].append(time.perf_counter() - tic)
+    rows = []
+    for n in names:
+        ratios = [b / t for b, t in zip(times[baseline], times[n])]
+        rows.append({"variant": n, "task": cfg.task, "backend": jax.default_backend(), "n_layers": cfg.model.n_layers,
+                     "d_model": cfg.model.d_model, "seq_len": cfg.data.seq_len, "batch": cfg.data.batch,
+                     "inner_steps": cfg.data.inner_steps, "rounds": rounds, "median_s": statistics.median(times[n]),
+                     "min_s": min(times[n]), "times_s": times[n], "ratio": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "warmup_s": compile_s[n],
+                     # what ran: the compiled program's peak, and the outer steps the state went through
+                     "peak_bytes": compiled_memory(calls[n].compiled)["peak_bytes"],
+                     "steps_run": int(calls[n].state["step"])})
+    return rows
+
+
+def table(rows: list[dict], baseline: str) -> str:
+    lines = ["| variant | median s | min s | ratio (median) | ratio range |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['ratio']:.3f}x | "
+                     f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} |")
+    return "\n".join(lines) + (f"\n(ratio: {baseline} time ÷ variant time, per round, median of {rows[0]['rounds']}; "
+                               "higher means faster than the baseline)")

@@ -1,0 +1,95 @@
+"""Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
+
+A variant is `MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16]`: a meta-gradient mode, per-block
+rematerialisation, inner gradients saved in the per-step checkpoint, an inner-checkpoint schedule, and
+model options applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
+and a variant into the `Config` whose outer step (`metatrain.step`) the benchmarks compile and time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from metatrain import config as config_lib
+from metatrain.config import Config
+from metatrain.errors import ConfigError
+from metatrain.mixflow import MODES
+from metatrain.models import ModelConfig
+from metatrain.tasks import Task, make_task
+from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
+
+# model options a variant name may carry, e.g. `mixflow+remat+save+sqrt+blockwise+bf16`
+MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"}}
+SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
+FORM = "MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16], e.g. mixflow+remat+save+sqrt+blockwise"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints),
+    optionally on a changed model (`model_options`: keys of MODEL_OPTIONS, applied over the model given)."""
+
+    mode: str
+    remat: bool
+    save: bool
+    inner_checkpoint: str = "every_step"
+    model_options: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
+        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
+                + "".join("+" + o for o in self.model_options))
+
+    def model(self, model: ModelConfig) -> ModelConfig:
+        """The model this variant runs: `model` with its block remat and model options."""
+        changes = {k: v for o in self.model_options for k, v in MODEL_OPTIONS[o].items()}
+        return model.replace(remat=self.remat, **changes)
+
+    @property
+    def method(self) -> MetaGradMethod:
+        return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint)
+
+    def apply(self, cfg: Config) -> Config:
+        """`cfg` computing its meta-gradient this way, on this variant's model."""
+        return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
+                                   inner_checkpoint=self.inner_checkpoint, model=self.model(cfg.model))
+
+
+def variants(modes=MODES, inner_checkpoint: str = "every_step") -> list[Variant]:
+    return [Variant(m, r, s, inner_checkpoint) for m, r, s in itertools.product(modes, (False, True), (False, True))]
+
+
+def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
+    """A variant by name; a schedule in the name wins over `inner_checkpoint`, model options apply over the
+    model the variant is run on. Options may come in any order; `.name` gives them in the canonical one."""
+    mode, *opts = name.strip().split("+")
+    if mode not in MODES:
+        raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
+    unknown = set(opts) - {"remat", "save", *SCHEDULES, *MODEL_OPTIONS}
+    if unknown:
+        raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
+    schedules = [o for o in opts if o in SCHEDULES]
+    if len(schedules) > 1:
+        raise ConfigError(f"variant {name!r}: one inner-checkpoint schedule at most; use {FORM}")
+    options = tuple(o for o in MODEL_OPTIONS if o in opts)
+    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options)
+
+
+def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,
+               overrides: list[str] = (), variant: Variant | None = None) -> Config:
+    """The run config of a benchmark: `task` on `model` with these batch shapes (and `key=value` overrides, e.g.
+    `mesh.fsdp=-1`), computing its meta-gradient as `variant` does."""
+    if "inner_checkpoint=auto" in overrides or "mode=auto" in overrides:
+        raise ConfigError("mode / inner_checkpoint: `auto` is for training runs; name the variants to compare "
+                          "instead, e.g. mixflow+remat+save,mixflow+remat+save+sqrt")
+    cfg = config_lib.load(None, [f"task={task}", f"data.seq_len={seq_len}", f"data.batch={batch}",
+                                 f"data.inner_steps={inner_steps}", *overrides])
+    cfg = dataclasses.replace(cfg, model=model)
+    return variant.apply(cfg) if variant else cfg
+
+
+def build_task(task: str, model: ModelConfig, remat: bool, inner_lr: float = 1e-2) -> Task:
+    """The task with block remat set on the inner model and on its meta model alike."""
+    return make_task(task, model=model.replace(remat=remat), inner_lr=inner_lr, meta_model=model.replace(remat=remat))

@@ -1,0 +1,119 @@
+"""A run's Orbax checkpoints: async saves that are never left half-written, and restore from the newest intact one.
+
+- `save` skips a step that is already saved (a stop right after a periodic save), and `close` waits
+  for every save in flight and shuts the async checkpointer down: the Trainer calls it on every exit
+  path (the end, SIGTERM/SIGINT, a non-finite stop, any error).
+- `restore` tries the newest checkpoint first. One whose layout differs from the run's state belongs
+  to another configuration: that is refused naming the first differing entry. One that cannot be read
+  (a truncated or zeroed file, a missing `_METADATA`) is damaged: it is moved aside to
+  `checkpoints/damaged-<step>` with a line saying why, and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+
+from metatrain import workdir as workdir_lib
+from metatrain.errors import ConfigError, TrainingError
+
+
+def leaf_shapes(tree) -> dict[str, tuple]:
+    """`{"meta/blocks/mlp/w_in/value": shape}`: nnx Variables (attribute `value`) and saved dicts (key `value`)
+    read alike, so a run's abstract state and a checkpoint's metadata tree can be compared."""
+    def name(path):
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+    return {name(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(leaf, "shape")}
+
+
+def first_layout_difference(saved, target) -> str | None:
+    have, want = leaf_shapes(saved), leaf_shapes(target)
+    for key, shape in want.items():
+        if key not in have:
+            return f"the run's state has {key}, the checkpoint does not"
+        if have[key] != shape:
+            return f"{key} has shape {have[key]} in the checkpoint, {shape} in this run"
+    extra = sorted(set(have) - set(want))
+    return f"the checkpoint has {extra[0]}, this run's state does not" if extra else None
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+class Checkpoints:
+    def __init__(self, workdir: str, keep: int):
+        self.workdir = workdir
+        self.dir = workdir_lib.checkpoint_dir(workdir)
+        self.manager = ocp.CheckpointManager(
+            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
+        self.last_saved = self.manager.latest_step()
+
+    def save(self, step: int, items: dict) -> bool:
+        """Start an async save of `items` (name -> Orbax save args) at `step`; False when `step` is already saved."""
+        if step == self.last_saved:
+            return False
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.last_saved = step
+        return True
+
+    def restore(self, state_target, other_items: dict, log=lambda line: print(line, file=sys.stderr)):
+        """(step, restored Composite) from the newest intact checkpoint; `state_target` are ShapeDtypeStructs."""
+        damaged = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            state_dir = os.path.join(self.dir, str(step), "state")
+            try:
+                saved = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+            except Exception as e:  # noqa: BLE001 — any unreadable checkpoint counts as damaged
+                damaged.append((step, _first_line(e)))
+                continue
+            difference = first_layout_difference(saved, state_target)
+            if difference:
+                raise ConfigError(f"workdir: {self.workdir} holds a run of another configuration ({difference}); "
+                                  f"use a new workdir")
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(state_target), **other_items))
+            except Exception as e:  # noqa: BLE001
+                damaged.append((step, _first_line(e)))
+                continue
+            self._set_aside(damaged, log)
+            if damaged:
+                log(f"resuming from checkpoint {step}, the newest intact one")
+            return step, restored
+        self._set_aside(damaged, log)
+        raise TrainingError(f"no intact checkpoint in {self.dir} ("
+                            + "; ".join(f"{s}: {why}" for s, why in damaged) + "); start a new run in another workdir")
+
+    def _set_aside(self, damaged: list, log) -> None:
+        """Move damaged checkpoints to `damaged-<step>` (kept for a look, out of Orbax's way: a later save of
+        the same step would otherwise find it taken)."""
+        if not damaged:
+            return
+        if jax.process_index() == 0:
+            from etils import epath
+
+            for step, why in damaged:
+                log(f"checkpoint {step} in {self.dir} is damaged ({why}); moved to damaged-{step}")
+                src, dst = epath.Path(self.dir) / str(step), epath.Path(self.dir) / f"damaged-{step}"
+                if dst.exists():
+                    dst.rmtree()
+                src.rename(dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("metatrain: damaged checkpoints set aside")
+        self.manager.reload()
+        self.last_saved = self.manager.latest_step()
+
+    def close(self) -> None:
+        """Wait for any save in flight, then shut the async checkpointer down (idempotent)."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+            self.manager = None

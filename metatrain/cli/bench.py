@@ -1,0 +1,176 @@
+"""`metatrain bench memory | time | fit` and `metatrain compile`: the Trainer's outer step, measured."""
+
+from __future__ import annotations
+
+from metatrain.cli import common
+from metatrain.errors import ConfigError
+from metatrain.mixflow import MODES
+
+LADDER_DEFAULT = "44m,140m,489m,1b"
+TPU_MESH = ["mesh.fsdp=-1", "mesh.data=-1"]  # FSDP over all the topology's chips
+
+
+def _config(args, model, overrides=()):
+    from metatrain.bench.variants import run_config
+
+    return run_config(args.task, model, args.seq_len, args.batch, args.inner_steps, list(overrides))
+
+
+def cmd_bench_memory(args) -> int:
+    from metatrain import models
+    from metatrain.bench import memory, report
+    from metatrain.bench.variants import run_config, variants
+
+    topology = args.topology or ("v5p:1x1x1" if args.backend == "tpu" else None)
+    if topology and args.backend != "tpu":
+        raise ConfigError("--topology is for --backend tpu (TPU ahead-of-time); drop it or add --backend tpu")
+    mesh = TPU_MESH if topology else []
+    tasks, names = [args.task], {}
+    default_variants = "default+remat,mixflow+remat+save"
+    if args.grid == "ablation":
+        model_list = [common.model(args)]
+        default_variants = ",".join(v.name for v in variants(("default", "mixflow"), "every_step"))
+    elif args.grid == "layers":
+        model_list = [common.model(args, n_layers=n) for n in args.layers]
+    elif args.grid == "ladder":
+        ladder = [m.strip() for m in (args.models or LADDER_DEFAULT).split(",")]
+        model_list = [models.preset(m, **common.model_options(args)) for m in ladder]
+        names = {models.param_count(m): name for name, m in zip(ladder, model_list)}
+    else:  # tasks
+        model_list = [common.model(args)]
+        tasks = [t.strip() for t in args.tasks.split(",")]
+    configs = [run_config(t, m, args.seq_len, args.batch, args.inner_steps, [*mesh, *args.overrides])
+               for t in tasks for m in model_list]
+    chosen = common.variants(args, args.variants or default_variants, args.baseline)
+    where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
+    print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
+          f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
+    rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines)
+    print(memory.table(rows, args.baseline))
+    if args.grid == "ladder":
+        other = next((v.name for v in chosen if v.name == "mixflow+remat+save"), chosen[-1].name)
+        print()
+        print(report.paper_comparison(rows, names, args.baseline, other))
+    common.write_json(args.json, rows)
+    if args.plot:
+        print(f"wrote {report.plot(rows, args.grid, args.baseline, args.plot)}")
+    return 0
+
+
+def cmd_bench_time(args) -> int:
+    import jax
+
+    from metatrain.bench import steptime
+
+    chosen = common.variants(args, args.variants, args.baseline)
+    cfg = _config(args, common.model(args))
+    print(f"bench time: task={args.task} model={args.model} (d={cfg.model.d_model}, L={cfg.model.n_layers}) "
+          f"B={args.batch} S={args.seq_len} T={args.inner_steps} on {jax.default_backend()} "
+          f"({len(jax.devices())} device(s)): the Trainer's outer step, {args.rounds} interleaved rounds after "
+          f"{args.warmup} warm-up step(s)", flush=True)
+    rows = steptime.measure(cfg, chosen, args.baseline, rounds=args.rounds, warmup=args.warmup,
+                            progress=common.progress_lines)
+    print(steptime.table(rows, args.baseline))
+    common.write_json(args.json, rows)
+    return 0
+
+
+def cmd_bench_fit(args) -> int:
+    from metatrain.bench.largest_fit import largest_fitting
+    from metatrain.models import ModelConfig
+
+    cfg = _config(args, ModelConfig(), [*TPU_MESH, *args.overrides])
+    ladder = [m.strip() for m in args.models.split(",")] if args.models else None
+    chosen = common.variants(args, args.variants)
+    print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
+          f"T={cfg.data.inner_steps}, variants {', '.join(v.name for v in chosen)}: binary search over the size "
+          f"ladder with the Trainer's outer step (each compile takes minutes)", flush=True)
+    results = []
+    for v in chosen:
+        results.append(largest_fitting(cfg, v, args.topology, ladder, log=lambda line: print(line, flush=True),
+                                       **common.model_options(args)))
+        common.write_json(args.json, {"topology": args.topology, "results": results})  # keep what is done
+    for r in results:
+        print(f"largest that fits, {r['variant']}: " + (f"{r['largest']} ({r['params'] / 1e6:,.0f}M parameters)"
+                                                        if r["largest"] else "none of the ladder"))
+    first = results[0]
+    for r in results[1:]:
+        if first["params"] and r["params"]:
+            print(f"ratio of parameter counts ({r['variant']} / {first['variant']}): "
+                  f"{r['params'] / first['params']:.2f}x")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from metatrain.aot import GiB
+    from metatrain.bench.compile import compile_report
+
+    model = common.model(args, remat=not args.no_remat)
+    cfg = _config(args, model, [f"mode={args.mode}", f"inner_checkpoint={args.inner_checkpoint}",
+                                f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides])
+    where = args.topology or "this machine's devices"
+    print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.mode} model={args.model} "
+          f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
+          f"T={cfg.data.inner_steps}", flush=True)
+    r = compile_report(cfg, args.topology)
+    hbm = f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["hbm_bytes"] else ""
+    print(f"mesh {r['mesh']} over {r['devices']} {r['backend']} device(s){hbm}")
+    if r["exact"]:
+        print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
+                                                 for k in ("argument", "output", "alias", "temp", "peak")))
+        if r["hbm_bytes"]:
+            print(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['peak_bytes'] / GiB:.2f} of "
+                  f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['peak_bytes'] / r['hbm_bytes']:.0f}%)")
+    else:
+        print(f"does NOT fit: the compiler refused it, asking for {r['required_bytes'] / GiB:.2f} GiB of "
+              f"{r['hbm_bytes'] / GiB:.2f} GiB for its temporaries ({r['message']})")
+    common.write_json(args.json, r)
+    return 0 if r["fits"] is not False else 1
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks of the outer step").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("memory", help="ahead-of-time memory per variant")
+    common.add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
+    p.add_argument("--grid", default="ablation", choices=["ablation", "layers", "ladder", "tasks"],
+                   help="ablation: mode x remat x save; layers: --layers; ladder: --models; tasks: --tasks")
+    p.add_argument("--models", default=None, help=f"ladder presets (default {LADDER_DEFAULT})")
+    p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
+    p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1)")
+    p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot")
+    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
+                   help="n_layers values for --grid layers, e.g. 2,8")
+    p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. baseline=uniform")
+    p.set_defaults(fn=cmd_bench_memory)
+
+    p = bench.add_parser("time", help="side-by-side step time per variant (interleaved, median ratio)")
+    common.add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
+    p.add_argument("--variants", default="default+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--rounds", type=common.positive_int, default=7, help="interleaved timed rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant after compiling")
+    p.set_defaults(fn=cmd_bench_time)
+
+    p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology, per variant")
+    common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2, model_flags=False)
+    p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1")
+    p.add_argument("--variants", default="default+remat,mixflow+remat+save",
+                   help="the baseline first, then those to compare with it, e.g. "
+                        "default+remat,mixflow+remat+save+sqrt+blockwise+bf16")
+    p.add_argument("--models", default=None, help="the ladder to search, in size order (default: all presets)")
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
+    p.set_defaults(fn=cmd_bench_fit)
+
+    p = sub.add_parser("compile", help="compile the run's outer step ahead of time (for a TPU topology with libtpu, "
+                                       "no TPU needed, or for this machine); per-device memory; exit 1 if it does "
+                                       "not fit")
+    common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2)
+    p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4 (default: this machine's devices)")
+    p.add_argument("--mode", default="mixflow", choices=MODES)
+    p.add_argument("--fsdp", type=int, default=-1, help="fsdp mesh axis size (-1 = all devices); data = the rest")
+    p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. save_inner_grads=false")
+    p.set_defaults(fn=cmd_compile)

@@ -1,0 +1,50 @@
+"""`metatrain check-grads`: every meta-gradient variant against reverse-over-reverse and finite differences."""
+
+from __future__ import annotations
+
+from metatrain.cli import common
+from metatrain.mixflow import MODES
+
+
+def cmd_check_grads(args) -> int:
+    from metatrain import checkgrads
+
+    model, data = common.model(args), common.data_shapes(args)
+    print(f"check-grads: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}, "
+          f"V={model.vocab_size}) T={data.inner_steps} B={data.batch} S={data.seq_len}, float64")
+    results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
+                                     eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
+                                     modes=tuple(args.modes.split(",")), inner_checkpoint=args.inner_checkpoint,
+                                     only=common.variants(args, args.variants) if args.variants else None,
+                                     progress=common.progress)
+    print(f"{'variant':<22} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
+    for r in results:
+        print(f"{r.variant:<22} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
+    bad = [r.variant for r in results if not r.ok]
+    common.write_json(args.json, {"task": args.task, "tol_rel": args.tol_rel, "tol_fd": args.tol_fd,
+                                  "results": [vars(r) for r in results]})
+    if bad:
+        print(f"FAILED: {len(bad)} variant(s) past tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g}): "
+              + ", ".join(bad))
+        return 1
+    print(f"all {len(results)} variants within tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g})")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("check-grads", help="meta-gradient of every mode/variant vs reverse-over-reverse and "
+                                           "finite differences (float64); exit 1 past tolerance")
+    common.add_problem_args(p, model="tiny", seq_len=8, batch=2, inner_steps=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--directions", type=common.positive_int, default=3,
+                   help="random directions for finite differences")
+    p.add_argument("--eps", type=float, default=1e-2,
+                   help="largest finite-difference step (4th-order stencil, then steps down by sqrt(10))")
+    p.add_argument("--tol-rel", type=float, default=1e-10)
+    p.add_argument("--tol-fd", type=float, default=1e-6)
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma list of meta-gradient modes, any of {', '.join(MODES)} (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="check just these variants (comma list, e.g. mixflow+remat+save,revfwd+sqrt) instead of "
+                        "every mode x remat x save; plain reverse-over-reverse is always the reference")
+    p.set_defaults(fn=cmd_check_grads)

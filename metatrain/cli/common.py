@@ -1,0 +1,106 @@
+"""What the command groups share: the problem flags (task, model, shapes), progress, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from metatrain.models import LADDER, SMALL_PRESETS
+from metatrain.tasks import BUILTIN
+from metatrain.unroll import INNER_CHECKPOINTS
+
+MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff", "vocab_size": "--vocab",
+               "n_layers": "--n-layers"}
+TASK_HELP = " | ".join(BUILTIN) + " | package.module:Class"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def progress(it, desc=""):
+    return tqdm(it, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+
+
+def progress_lines(it, desc=""):
+    """A bar on a terminal; elsewhere (logs, CI) one line per item, so long compiles show progress too."""
+    if sys.stderr.isatty():
+        yield from progress(it, desc=desc)
+        return
+    items = list(it)
+    for i, item in enumerate(items):
+        print(f"{desc} {i + 1}/{len(items)} ...", file=sys.stderr, flush=True)
+        yield item
+
+
+def write_json(path, payload) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {path}")
+
+
+def add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch: int, inner_steps: int,
+                     model_flags: bool = True) -> None:
+    p.add_argument("--task", default="maml", help=TASK_HELP)
+    if model_flags:
+        p.add_argument("--model", default=model, help=f"a preset: {', '.join(SMALL_PRESETS)}, or a ladder size "
+                                                      f"({', '.join(LADDER)})")
+        for field, flag in MODEL_FLAGS.items():
+            p.add_argument(flag, dest=field, type=positive_int, default=None, help=f"override the preset's {field}")
+    add_model_option_args(p)
+    p.add_argument("--seq-len", type=positive_int, default=seq_len)
+    p.add_argument("--batch", type=positive_int, default=batch)
+    p.add_argument("--inner-steps", type=positive_int, default=inner_steps)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def add_model_option_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention", choices=["dense", "blockwise"], default=None,
+                   help="override the preset's (a variant's +blockwise wins)")
+    p.add_argument("--attention-block", type=positive_int, default=None, help="block size of blockwise attention")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32); "
+                        "a variant's +bf16 wins")
+    p.add_argument("--inner-checkpoint", choices=INNER_CHECKPOINTS, default="every_step",
+                   help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
+
+
+def model_options(args) -> dict:
+    """Model options that apply to any preset (ladder grids included)."""
+    return {f: getattr(args, f) for f in ("attention", "attention_block", "compute_dtype")
+            if getattr(args, f, None) is not None}
+
+
+def model(args, **extra):
+    from metatrain import models
+
+    overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    return models.preset(args.model, **overrides, **model_options(args), **extra)
+
+
+def data_shapes(args):
+    """The batch shapes of the problem flags as the data config that carries them."""
+    from metatrain.data.pipeline import DataConfig
+
+    return DataConfig(seq_len=args.seq_len, batch=args.batch, inner_steps=args.inner_steps)
+
+
+def variants(args, names: str, baseline: str | None = None) -> list:
+    """The comma-listed variants (with --inner-checkpoint unless a name says +sqrt/+binomial), `baseline` first
+    when given and not among them."""
+    from metatrain.bench.variants import parse_variant
+
+    chosen = [parse_variant(v, args.inner_checkpoint) for v in names.split(",")]
+    if baseline and baseline not in {v.name for v in chosen}:
+        chosen.insert(0, parse_variant(baseline))
+    return chosen

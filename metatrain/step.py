@@ -1,0 +1,168 @@
+"""The outer step: the one program the Trainer runs and every tool compiles.
+
+`meta_program(cfg, mesh)` maps a run config to a `Program`: the task, `init(key) -> state` and
+`step(state, batches, outer_batch) -> (state, metrics)` as pure functions over plain pytrees, the
+mesh, and the data shapes. `lower(program)` is its single jitted and lowered form (state donated,
+state FSDP-sharded by the models' logical axes, batches split over data x fsdp, metrics replicated).
+The Trainer runs `lower(program).compile()`; `metatrain compile`, `bench memory`, `bench fit`, `bench
+time` and `mode: auto` compile the same lowering, so every figure they print is of the program that
+runs (the pattern of maxtext's `train_compile.py`).
+
+State is a dict pytree: `step`, `meta` (η), `meta_opt`, `inner` (θ, υ) carried between outer steps
+(None for tasks that restart from η), and with `baseline=uniform` a second inner state `base` trained
+on the same batches with η frozen at its initial value (for loss weighting: exactly uniform weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from metatrain.config import Config, MetaOptConfig
+from metatrain.data.pipeline import DataConfig
+from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
+from metatrain.tasks import Task, make_task
+from metatrain.unroll import MetaGradMethod, meta_value_and_grad, outer_loss
+
+State = dict
+Batches = tuple[dict, dict]  # (inner batches [T, batch, seq+1], outer batch [batch, seq+1])
+
+
+def meta_optimizer(o: MetaOptConfig, steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and an optional linear warmup / warmup-cosine schedule."""
+    if o.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(0.0, o.lr, max(o.warmup_steps, 1), steps)
+    else:
+        lr = optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else o.lr
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(lr, eps=o.eps, weight_decay=o.weight_decay))
+
+
+def keep_if(ok: jax.Array, new, old):
+    """`new` where `ok`, else `old`, leaf by leaf: a non-finite update never reaches the state."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point entry of the pytree is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+# ---- the meta-training program ---------------------------------------------------------------
+def init_state(task: Task, meta_opt: optax.GradientTransformation, baseline: bool, key: jax.Array) -> State:
+    k_meta, k_inner = jax.random.split(key)
+    meta = task.init_meta(k_meta)
+    inner = None if task.resets_inner else task.init_inner(k_inner, meta)
+    state = {"step": jnp.zeros((), jnp.int32), "meta": meta, "meta_opt": meta_opt.init(meta), "inner": inner}
+    if baseline:
+        state["base"] = {"meta": meta, "inner": task.init_inner(k_inner, meta)}
+    return state
+
+
+def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformation, state: State,
+               batches: dict, outer_batch: dict) -> tuple[State, dict]:
+    """T inner steps, the outer loss, its meta-gradient and the meta-update. The update is kept only when the
+    loss, the meta-gradient and the updated η and meta-optimizer state are all finite."""
+    (value, aux), grad = meta_value_and_grad(task, method)(state["meta"], state["inner"], batches, outer_batch)
+    grad_norm = optax.tree.norm(grad)
+    updates, new_opt = meta_opt.update(grad, state["meta_opt"], state["meta"])
+    new_meta = optax.apply_updates(state["meta"], updates)
+    ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & all_finite(new_meta) & all_finite(new_opt)
+    new = {"step": state["step"] + 1, "meta": keep_if(ok, new_meta, state["meta"]),
+           "meta_opt": keep_if(ok, new_opt, state["meta_opt"]),
+           "inner": None if task.resets_inner else keep_if(ok, aux.inner, state["inner"])}
+    metrics = {"outer_loss": value, "inner_loss": aux.inner_losses.mean(), "meta_grad_norm": grad_norm, "finite": ok}
+    if "base" in state:
+        base_value, base_aux = outer_loss(task, method)(state["base"]["meta"], state["base"]["inner"], batches,
+                                                        outer_batch)
+        new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
+        metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
+    return new, metrics
+
+
+def place_pretrained(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
+    """The state with pretrained inner-model parameters in place (`inner.init_from`); see `Task.place_pretrained`."""
+    meta, inner = task.place_pretrained(params, state["meta"], state["inner"])
+    new = dict(state, meta=meta, inner=inner, meta_opt=meta_opt.init(meta))
+    if "base" in state:
+        new["base"] = {"meta": meta, "inner": task.place_pretrained(params, meta, state["base"]["inner"])[1]}
+    return new
+
+
+# ---- a program: what to lower, and where ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One run's outer step, ready to lower: pure functions over plain pytrees and the mesh they run on."""
+
+    task: Task
+    init: Callable[[jax.Array], State]  # key -> state
+    step: Callable[[State, dict, dict], tuple[State, dict]]  # (state, batches, outer batch) -> (state, metrics)
+    mesh: jax.sharding.Mesh
+    data: DataConfig
+    meta_opt: optax.GradientTransformation | None = None  # None for plain (pre)training
+    method: MetaGradMethod | None = None
+
+    @functools.cached_property
+    def state_shapes(self) -> State:
+        return jax.eval_shape(self.init, jax.random.key(0))
+
+    @functools.cached_property
+    def state_shardings(self) -> State:
+        return tree_shardings(self.state_shapes, self.mesh)
+
+
+def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
+                 inner_checkpoint: str | None = None) -> Program:
+    """The meta-training program of a run config (the one place config becomes task, optimizer and method).
+    `mode` / `inner_checkpoint` override the config's (mode=auto tries each); `cfg.model` is used as given."""
+    task = make_task(cfg.task, model=cfg.model, inner_lr=cfg.inner_lr)
+    meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
+    method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint)
+    return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
+                   step=functools.partial(outer_step, task, method, meta_opt), mesh=mesh, data=cfg.data,
+                   meta_opt=meta_opt, method=method)
+
+
+def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None) -> Batches:
+    """ShapeDtypeStructs of one outer step's batches: inner [T, batch, seq+1], outer [batch, seq+1] (token ids,
+    segment ids, positions; a per-example `corrupted` flag), split over data x fsdp when a mesh is given."""
+    def batch(shape, sharding):
+        seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("tokens", "segment_ids",
+                                                                                      "positions")}
+        return seq | {"corrupted": jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)}
+
+    inner_sharding, outer_sharding = ((batch_sharding(mesh, leading=1), batch_sharding(mesh)) if mesh is not None
+                                      else (None, None))
+    return (batch((data.inner_steps, data.batch, data.seq_len + 1), inner_sharding),
+            batch((data.batch, data.seq_len + 1), outer_sharding))
+
+
+def random_batches(data: DataConfig, vocab: int, key: jax.Array) -> Batches:
+    """Batches of `batch_specs`' structure filled with random tokens: one document per row, none corrupted."""
+    def fill(spec, k):
+        return {"tokens": jax.random.randint(k, spec["tokens"].shape, 0, vocab, jnp.int32),
+                "segment_ids": jnp.ones(spec["segment_ids"].shape, jnp.int32),
+                "positions": jnp.broadcast_to(jnp.arange(data.seq_len + 1, dtype=jnp.int32),
+                                              spec["positions"].shape),
+                "corrupted": jnp.zeros(spec["corrupted"].shape, jnp.int32)}
+
+    k1, k2 = jax.random.split(key)
+    inner, outer = batch_specs(data)
+    return fill(inner, k1), fill(outer, k2)
+
+
+def lower(program: Program) -> jax.stages.Lowered:
+    """The program's outer step, jitted (state donated) and lowered with abstract, sharded inputs."""
+    step = jax.jit(program.step, donate_argnums=0,
+                   out_shardings=(program.state_shardings, replicated(program.mesh)))
+    return step.lower(abstract(program.state_shapes, program.state_shardings), *batch_specs(program.data, program.mesh))
+
+
+def init(program: Program, key: jax.Array) -> State:
+    """The initial state, allocated with its shardings."""
+    return jax.jit(program.init, out_shardings=program.state_shardings)(key)

@@ -1,0 +1,105 @@
+"""Where a run's metrics go: `metrics.jsonl` and TensorBoard event files in the log dir, optionally Weights &
+Biases; and the progress bar.
+
+W&B (`log.wandb=true`, `pip install wandb`) resumes the same W&B run after a restart: its run id is kept
+in the work dir (`wandb_id`, in the bucket for a gs:// work dir). With a remote work dir the log dir is
+local (see `metatrain.workdir`); `sync()` copies metrics.jsonl, the TensorBoard events and the plot into
+the work dir, and the Trainer calls it at every checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import sys
+
+from tqdm import tqdm
+
+from metatrain import config as config_lib
+from metatrain import workdir as workdir_lib
+from metatrain.config import Config
+from metatrain.errors import ConfigError
+
+
+def progress_bar(total: int, initial: int, desc: str, disable: bool) -> tqdm:
+    """A tqdm bar on stderr; where stderr is not a terminal (a log file) it writes a line every 30 s."""
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 30.0, ascii=not tty)
+
+
+def require_wandb(cfg: Config) -> None:
+    """Refuse `log.wandb=true` without the wandb package before anything is compiled."""
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb: the wandb package is not installed: pip install wandb (or the project's "
+                          "wandb extra), or set log.wandb=false")
+
+
+def wandb_run(cfg: Config, log_dir: str):
+    """A W&B run that a restarted run resumes: the id is created once and kept in the work dir."""
+    import wandb
+
+    id_path = os.path.join(cfg.workdir, "wandb_id")
+    run_id = (config_lib.read_text(id_path) or "").strip()
+    if not run_id:
+        run_id = secrets.token_hex(4)
+        config_lib.write_text(id_path, run_id)
+    name = cfg.log.wandb_name or cfg.workdir.rstrip("/").rsplit("/", 1)[-1]
+    return wandb.init(project=cfg.log.wandb_project, entity=cfg.log.wandb_entity or None, name=name, id=run_id,
+                      resume="allow", dir=log_dir, config=config_lib.flatten(cfg))
+
+
+class MetricsLog:
+    """Metrics as JSON lines and TensorBoard scalars (and W&B when asked), written by process 0 only."""
+
+    def __init__(self, cfg: Config):
+        from tensorboardX import SummaryWriter
+
+        self.workdir = cfg.workdir
+        self.dir = workdir_lib.log_dir(cfg.workdir)
+        os.makedirs(self.dir, exist_ok=True)
+        self.jsonl = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+        self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+        self.wandb = wandb_run(cfg, self.dir) if cfg.log.wandb else None
+
+    def write(self, metrics: dict) -> None:
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        self.jsonl.flush()
+        step = metrics["step"]
+        for k, v in metrics.items():
+            if k != "step":
+                self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def sync(self) -> None:
+        """Copy the log dir's files into a remote work dir (nothing to do for a local one)."""
+        copy_logs(self.dir, self.workdir)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.sync()
+
+
+def copy_logs(log_dir: str, workdir: str) -> None:
+    """metrics.jsonl, tensorboard/ and the plots of a local log dir, copied into a remote work dir."""
+    if not workdir_lib.is_remote(workdir):
+        return
+    from etils import epath
+
+    dest = epath.Path(workdir)
+    for root, dirs, files in os.walk(log_dir):
+        dirs[:] = [d for d in dirs if d != "wandb"]  # W&B's own files: it uploads them itself
+        for name in files:
+            if name == ".lock":
+                continue
+            src = os.path.join(root, name)
+            target = dest / os.path.relpath(src, log_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(open(src, "rb").read())

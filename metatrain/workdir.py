@@ -1,0 +1,139 @@
+"""A run's work dir: where its files go, one run at a time, and whether a run may continue in it.
+
+Layout: `config.yaml` (the resolved config), `checkpoints/<step>/` (Orbax), `metrics.jsonl`,
+`tensorboard/`, `curves.png`, `mode_auto.json`, `wandb_id`. A remote work dir (`gs://...`) keeps
+config.yaml, checkpoints and the W&B id in the bucket; metrics, TensorBoard events and the plot are
+written on process 0's host under `runs/<name>` and copied into the bucket at every checkpoint and at
+the end, so a preempted VM loses at most what came after the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+
+from metatrain import config as config_lib
+from metatrain.config import Config
+from metatrain.errors import ConfigError, TrainingError
+
+# Fields a resumed run may change: how long and how it runs, not what it computes or what its state holds.
+RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps",
+             "eval_batches", "mode", "inner_checkpoint", "save_inner_grads", "inner_lr", "inner.init_from",
+             "data.data_dir", "meta_opt.lr", "meta_opt.clip_norm", "meta_opt.eps", "meta_opt.weight_decay")
+RESUMABLE_GROUPS = ("mesh.", "log.")
+
+
+def is_remote(path: str) -> bool:
+    """gs://... and other URL-style paths (read and written through etils.epath, as Orbax does)."""
+    return "://" in path
+
+
+def config_path(workdir: str) -> str:
+    return os.path.join(workdir, "config.yaml")
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(workdir, "checkpoints") if is_remote(workdir) else os.path.abspath(
+        os.path.join(workdir, "checkpoints"))
+
+
+def log_dir(workdir: str) -> str:
+    """Where metrics.jsonl, TensorBoard events and curves.png are written: the work dir, or for a remote work
+    dir a local `runs/<name>` on process 0's host (appending to object storage is not possible)."""
+    return os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1]) if is_remote(workdir) else workdir
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+    """Steps of the finished checkpoints, oldest first (unfinished saves are `N.orbax-checkpoint-tmp...`)."""
+    from etils import epath
+
+    ckpt = epath.Path(checkpoint_dir(workdir))
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+
+
+def latest_step(workdir: str) -> int | None:
+    return max(checkpoint_steps(workdir), default=None)
+
+
+def has_checkpoint(workdir: str) -> bool:
+    return latest_step(workdir) is not None
+
+
+def is_run(workdir: str) -> bool:
+    return config_lib.read_text(config_path(workdir)) is not None or has_checkpoint(workdir)
+
+
+class Lock:
+    """An exclusive lock on a work dir (an OS file lock: released when the process ends, however it ends)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.path = os.path.join(log_dir(workdir), ".lock")
+        self._file = None
+
+    def acquire(self) -> Lock:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise TrainingError(f"workdir: {self.workdir} is in use by another run ({holder}); wait for it to end or "
+                                f"stop it, or give this run another workdir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Lock:
+        return self.acquire()
+
+    def __exit__(self, *_) -> None:
+        self.release()
+
+
+def first_difference(saved: Config, cfg: Config) -> str | None:
+    """The first field, other than those a resumed run may change, where `cfg` differs from the saved run's."""
+    a, b = config_lib.flatten(saved), config_lib.flatten(cfg)
+    for key, value in a.items():
+        if key in RESUMABLE or key.startswith(RESUMABLE_GROUPS):
+            continue
+        if b.get(key) != value:
+            return f"{key}: {value!r} -> {b.get(key)!r}"
+    return None
+
+
+def run_config(preset: str | None, overrides: list[str], resume: bool, default_preset: str) -> tuple[Config, bool]:
+    """The config of a `train` / `pretrain` command and whether it continues a run. A work dir that holds a
+    checkpoint continues its run: the saved config with these overrides, refused when they change what the
+    run computes (or `preset` names another one) or when its `steps` are already done."""
+    cfg = config_lib.load(preset or default_preset, overrides)
+    latest = latest_step(cfg.workdir)
+    if resume and latest is None:
+        raise ConfigError(f"--resume: {cfg.workdir} has no checkpoint to resume from")
+    saved_path = config_path(cfg.workdir)
+    if latest is None or config_lib.read_text(saved_path) is None:
+        return cfg, latest is not None
+    saved = config_lib.load(saved_path)
+    requested = cfg
+    cfg = config_lib.load(saved_path, overrides)
+    difference = first_difference(saved, requested if preset else cfg)
+    if difference:
+        raise ConfigError(f"workdir: {cfg.workdir} holds a run of another configuration (first difference: "
+                          f"{difference}); use a new workdir, or resume without changing it")
+    if cfg.steps <= latest:
+        raise ConfigError(f"steps: the run in {cfg.workdir} is already at step {latest} (steps={cfg.steps}); "
+                          f"set steps above {latest} to train it further")
+    return cfg, True

@@ -1,0 +1,103 @@
+"""`bench time` (side-by-side step time of the Trainer's outer step) and `bench fit` (the ladder search, with a
+stand-in compiler); variant names."""
+
+import json
+
+import pytest
+
+from metatrain import cli, models
+from metatrain.bench import largest_fit
+from metatrain.bench.variants import parse_variant
+from metatrain.errors import ConfigError
+
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
+
+
+def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
+    """The rows say what ran: every variant's state went through warm-up + rounds outer steps, and its
+    compiled program is the one `bench memory` compiles for that variant (so the two variants differ)."""
+    out, mem = tmp_path / "time.json", tmp_path / "mem.json"
+    assert cli.main(["bench", "time", *TINY_FLAGS, "--rounds", "3", "--warmup", "2", "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"default+remat", "mixflow+remat+save"}
+    assert all(r["steps_run"] == 2 + 3 and len(r["times_s"]) == 3 and min(r["times_s"]) > 0 for r in rows.values())
+    assert "| mixflow+remat+save |" in capsys.readouterr().out
+    assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "default+remat,mixflow+remat+save",
+                     "--json", str(mem)]) == 0
+    peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}
+    assert {n: r["peak_bytes"] for n, r in rows.items()} == peaks
+    assert peaks["default+remat"] != peaks["mixflow+remat+save"]
+
+
+def test_bench_time_bad_variants_and_baseline(capsys):
+    from metatrain.bench import steptime
+
+    assert cli.main(["bench", "time", *TINY_FLAGS, "--variants", "mixflow+fast"]) == 2
+    assert "unknown option(s) ['fast']" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--baseline revfwd is not among the variants"):
+        steptime.measure(None, [parse_variant("mixflow")], "revfwd")  # refused before anything compiles
+
+
+def _fake_compile(limits, seen=None):
+    """A stand-in for compile_report where a preset fits when its parameter count is under the mode's limit."""
+    def compile_report(cfg, topology, built=None):
+        n = models.param_count(cfg.model)
+        if seen is not None:
+            seen.append((cfg.mode, cfg.inner_checkpoint, cfg.model.attention, cfg.model.compute_dtype, cfg.model.remat))
+        fits = n <= limits(cfg)
+        report = {"fits": fits, "exact": fits, "hbm_bytes": 95.74 * 2**30}
+        return report | ({"peak_bytes": n * 100.0} if fits else {"required_bytes": n * 100.0})
+    return compile_report
+
+
+def test_bench_fit_binary_search(monkeypatch, capsys):
+    """Memory grows with the preset's size: the search must find the boundary with a handful of compiles."""
+    compiled = []
+    limits = {"default": 300e6, "mixflow": 2.1e9}
+    fake = _fake_compile(lambda cfg: limits[cfg.mode], compiled)
+    monkeypatch.setattr(largest_fit.compile_lib, "compile_report", fake)
+    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1"]) == 0
+    out = capsys.readouterr().out
+    assert "largest that fits, default+remat: 278m" in out
+    assert "largest that fits, mixflow+remat+save: 2b" in out
+    ratio = models.param_count(models.preset("2b")) / models.param_count(models.preset("278m"))
+    assert f"ratio of parameter counts (mixflow+remat+save / default+remat): {ratio:.2f}x" in out
+    assert len(compiled) <= 2 * 6  # a binary search over 22 presets, not a sweep
+
+
+def test_bench_fit_variant_model_options(monkeypatch, capsys, tmp_path):
+    """`+sqrt+blockwise+bf16` reach the compiled program: the stand-in fits more only with all three."""
+    seen = []
+    full = lambda cfg: (cfg.inner_checkpoint, cfg.model.attention, cfg.model.compute_dtype) == (
+        "sqrt", "blockwise", "bfloat16")
+    monkeypatch.setattr(largest_fit.compile_lib, "compile_report",
+                        _fake_compile(lambda cfg: 4e9 if full(cfg) else 300e6, seen))
+    out = tmp_path / "fit.json"
+    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "--json", str(out), "--variants",
+                     "default+remat,mixflow+remat+save,mixflow+remat+save+sqrt+blockwise+bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "largest that fits, mixflow+remat+save: 278m" in text
+    assert "largest that fits, mixflow+remat+save+sqrt+blockwise+bf16: 3.8b" in text
+    assert "(mixflow+remat+save+sqrt+blockwise+bf16 / default+remat)" in text
+    assert ("mixflow", "sqrt", "blockwise", "bfloat16", True) in seen
+    assert ("default", "every_step", "dense", "", True) in seen
+    assert [r["largest"] for r in json.loads(out.read_text())["results"]] == ["278m", "278m", "3.8b"]
+
+
+def test_bench_fit_refuses_auto(capsys):
+    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "inner_checkpoint=auto"]) == 2
+    assert "name the variants to compare instead" in capsys.readouterr().err
+
+
+def test_parse_variant_names_round_trip():
+    for name in ("default", "mixflow+remat+save", "mixflow+remat+save+sqrt+blockwise+bf16", "revfwd+binomial"):
+        assert parse_variant(name).name == name
+    v = parse_variant("mixflow+bf16+blockwise+remat")  # any order; the name comes out canonical
+    assert v.name == "mixflow+remat+blockwise+bf16" and v.model_options == ("blockwise", "bf16")
+    tiny = models.preset("tiny")
+    m = v.model(tiny)
+    assert (m.attention, m.compute_dtype, m.remat) == ("blockwise", "bfloat16", True) and not tiny.remat
+    for bad, says in (("mixflo+remat", "unknown mode"), ("mixflow+flash", "unknown option"),
+                      ("mixflow+sqrt+binomial", "one inner-checkpoint schedule")):
+        with pytest.raises(ConfigError, match=says):
+            parse_variant(bad)

@@ -1,0 +1,156 @@
+"""Ahead-of-time memory of the Trainer's outer step at a small size: the accounting adds up against sizes counted
+by hand, MixFlow's gain grows with depth; the grids, plots and the paper comparison of `bench memory`."""
+
+import json
+
+import pytest
+
+from metatrain import cli, models
+from metatrain.bench import memory
+from metatrain.bench.variants import parse_variant, run_config
+
+# The tests share shapes where they can, so that the session's compilation cache compiles each program once:
+# SMALL at S=128 B=1 here, `tiny` at S=16 B=2 in the grids and in test_bench.py.
+SMALL = models.ModelConfig(vocab_size=128, d_model=32, n_heads=2, d_ff=64, n_layers=1)
+SMALL_FLAGS = ["--model", "bench", "--d-model", "32", "--n-heads", "2", "--d-ff", "64", "--vocab", "128",
+               "--n-layers", "1", "--seq-len", "128", "--batch", "1"]
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
+T, B, S = 2, 1, 128
+VARIANTS = [parse_variant("default+remat"), parse_variant("mixflow+remat+save")]
+
+
+def _sequence_bytes(t, b, s):
+    """int32 tokens, segment ids and positions [.., s+1]: inner [t, b, ..], outer [b, ..]."""
+    return 4 * 3 * (s + 1) * (t * b + b)
+
+
+def test_rows_add_up_and_ratio_grows_with_layers():
+    configs = [run_config("maml", SMALL.replace(n_layers=n), S, B, T) for n in (1, 4)]
+    rows = memory.run(configs, VARIANTS)
+    for r in rows:
+        assert r["static_bytes"] + r["dynamic_bytes"] == r["peak_bytes"]
+        assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+        assert r["checkpoint_bytes"] > 0 and r["dynamic_bytes"] > 0 and r["exact"]
+    ratio = {(r["n_layers"], r["variant"]): r["temp_ratio"] for r in rows}
+    assert ratio[(1, "default+remat")] == 1.0
+    assert ratio[(4, "mixflow+remat+save")] > ratio[(1, "mixflow+remat+save")] > 1.0
+
+
+def test_sizes_counted_by_hand():
+    """MAML's state is η and the meta-optimizer's two Adam moments (3 float32 copies of the parameters, two int32
+    counters); the arguments are that plus the batches' sequences (MAML never reads the per-example `corrupted`
+    flags, and jit drops unused arguments), all donated but the batches; the per-step checkpoints are θ and
+    Adam's two moments, plus θ-sized saved gradients with +save."""
+    rows = {r["variant"]: r for r in memory.run([run_config("maml", SMALL, S, B, T)],
+                                                [parse_variant("mixflow+remat"), parse_variant("mixflow+remat+save")],
+                                                baseline="mixflow+remat")}
+    p = models.param_count(SMALL) * 4  # float32 bytes
+    for r in rows.values():
+        assert r["argument_bytes"] == 3 * p + 2 * 4 + _sequence_bytes(T, B, S)
+        assert r["alias_bytes"] == 3 * p + 2 * 4  # the state is donated: its buffers are the new state's
+        assert r["param_bytes"] == r["grad_bytes"] == p and r["meta_opt_bytes"] == 2 * p + 4
+    assert rows["mixflow+remat"]["checkpoint_bytes"] == T * (3 * p + 4)
+    assert rows["mixflow+remat+save"]["checkpoint_bytes"] == T * (4 * p + 4)
+
+
+def test_cli_json_and_table(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    argv = ["bench", "memory", *SMALL_FLAGS, "--variants", "default+remat,mixflow+remat+save", "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["default+remat", "mixflow+remat+save"]
+    default, mixflow = rows
+    assert mixflow["dynamic_bytes"] < default["dynamic_bytes"] and mixflow["dynamic_ratio"] > 1
+    assert default["argument_bytes"] == mixflow["argument_bytes"]  # same state and batches
+    text = capsys.readouterr().out
+    assert text.startswith("bench memory: grid=ablation")
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    assert f"| 1 | mixflow+remat+save | {mib(mixflow['peak_bytes'])} | {mib(mixflow['static_bytes'])} |" in text
+
+
+def test_blockwise_variant_beside_dense(tmp_path):
+    """`+blockwise` in a variant name profiles the blockwise model, in the dense baseline's ratio group;
+    at S=256 with blocks of 32 it no longer holds [B, H, S, S] scores, so its temporaries are smaller."""
+    out = tmp_path / "mem.json"
+    assert cli.main(["bench", "memory", "--model", "tiny", "--seq-len", "256", "--batch", "1", "--attention-block",
+                     "32", "--variants", "mixflow+remat+save,mixflow+remat+save+blockwise", "--baseline",
+                     "mixflow+remat+save", "--json", str(out)]) == 0
+    dense, blockwise = json.loads(out.read_text())
+    assert (dense["attention"], blockwise["attention"]) == ("dense", "blockwise")
+    assert blockwise["variant"] == "mixflow+remat+save+blockwise" and blockwise["temp_ratio"] > 1.0
+
+
+def test_cli_bad_variant(capsys):
+    assert cli.main(["bench", "memory", "--model", "tiny", "--variants", "mixflow+fast"]) == 2
+    assert "unknown option(s) ['fast']" in capsys.readouterr().err
+
+
+def test_tasks_grid_with_plot(tmp_path):
+    out, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
+    assert cli.main(["bench", "memory", "--grid", "tasks", "--tasks", "maml,learned_lr", *TINY_FLAGS,
+                     "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert {(r["task"], r["variant"]) for r in rows} == {
+        (t, v) for t in ("maml", "learned_lr") for v in ("default+remat", "mixflow+remat+save")}
+    # learned_lr carries its inner state (θ, υ) in and out; MAML restarts from η and carries none
+    carried = {r["task"]: r["inner_bytes"] for r in rows}
+    assert carried["maml"] == 0 and carried["learned_lr"] == 3 * models.param_count(models.preset("tiny")) * 4 + 4
+    assert all(r["dynamic_ratio"] > 1 for r in rows if r["variant"] == "mixflow+remat+save")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _row(params, variant, peak, static, checkpoints):
+    return {"params": params, "variant": variant, "peak_bytes": peak, "static_bytes": static,
+            "dynamic_bytes": peak - static, "param_bytes": 2**30, "meta_opt_bytes": 2**31, "grad_bytes": 2**30,
+            "inner_bytes": 0, "adam_bytes": 2**31, "checkpoint_bytes": checkpoints, "fits": True, "exact": True,
+            "task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2, "backend": "tpu"}
+
+
+def test_paper_comparison_names_static_and_where_it_dominates():
+    from metatrain.aot import GiB
+    from metatrain.bench.report import paper_comparison
+
+    rows = [_row(44e6, "default+remat", 20 * GiB, 5 * GiB, GiB),
+            _row(44e6, "mixflow+remat+save", 8 * GiB, 3 * GiB, GiB),
+            _row(489e6, "default+remat", 90 * GiB, 20 * GiB, 10 * GiB),
+            _row(489e6, "mixflow+remat+save", 40 * GiB, 25 * GiB, 12 * GiB)]
+    text = paper_comparison(rows, {44e6: "44m", 489e6: "489m"}, "default+remat", "mixflow+remat+save")
+    assert "| 44m | 44M | 20.0 (15.0) | 8.0 (5.0) | 2.50x | 3.00x | 32.8 -> 12.9 |" in text
+    assert "| 489m |" in text and "123.7 -> 46.9" in text and "| 62% |" in text
+    # η, meta-optimizer state, ∇η, T=2 checkpoints holding 2 υ, carried inner state, the rest
+    assert "| 1.0 + 2.0 + 1.0 + 12.0 (υ 4.0) + 0.0 + 9.0 = 25.0 |" in text
+    assert "static memory is about half or more of mixflow+remat+save's peak from 489m on" in text
+    assert "which state no task or shapes" in text
+
+
+def test_ladder_grid_on_cpu(tmp_path, capsys):
+    png = tmp_path / "ladder.png"
+    assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16",
+                     "--batch", "2", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny |" in out and "shown only beside MAML on TPU" in out
+    assert png.exists()
+
+
+@pytest.mark.tpu_backend
+def test_tpu_backend_rows_are_per_chip(tmp_path):
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    out = tmp_path / "tpu.json"
+    # the model of tests/launch/test_tpu.py's compile: its mixflow+remat+save program is compiled once
+    flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4"]
+    assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags,
+                     "--variants", "default+remat,mixflow+remat+save", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
+    for r in rows:
+        assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
+        assert r["hbm_bytes"] > 90 * 2**30 and 0 < r["dynamic_bytes"] < r["peak_bytes"]
+        assert r["param_bytes"] == p // 4  # FSDP: each of the 4 chips holds a quarter of η
+
+
+def test_resource_exhausted_figure_is_parsed():
+    from metatrain.aot import required_bytes
+
+    err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                       "temporaries (134.00G) exceeds available HBM (95.74G)")
+    assert required_bytes(err) == 134 * 2**30 and required_bytes(RuntimeError("other")) is None

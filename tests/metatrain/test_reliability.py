@@ -1,0 +1,214 @@
+"""The reliability findings of the newcomer review, one test each: every bad input gives one line naming the
+field or file and exit 2, and no exit path loses or damages a checkpoint."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import TINY, checkpoints, env, metatrain, one_line_error, saved_state
+
+from metatrain import cli, step
+from metatrain.workdir import Lock
+
+
+def _copy(shared_run, tmp_path):
+    """A copy of the shared run's work dir (checkpoints 2 and 4, config.yaml), to resume or break."""
+    workdir = tmp_path / "run"
+    shutil.copytree(shared_run["workdir"], workdir)
+    return workdir
+
+
+def _train(argv, capsys):
+    code = cli.main(["train", *TINY, *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- 1. a non-finite stop waits for the checkpoint it reports ------------------------------------------
+@pytest.mark.slow
+def test_non_finite_stop_waits_for_the_checkpoint_it_names(tmp_path):
+    workdir = tmp_path / "nan"
+    res = metatrain("train", *TINY, "task=custom_tasks:NaNAfterSix", f"workdir={workdir}", "steps=20",
+                    "checkpoint_every=5", "max_bad_steps=3", "meta_opt.lr=1e-3", "log.wandb=false")
+    assert res.returncode == 2
+    one_line_error(res.stderr, "3 non-finite updates in a row at step 9",
+                   f"the last checkpoint, step 5 in {workdir}/checkpoints, is intact")
+    assert "Event loop is closed" not in res.stderr and "cannot schedule new futures" not in res.stderr
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["5"]  # finished, no N.orbax-checkpoint-tmp left
+    assert int(saved_state(workdir, 5)["step"]) == 5
+
+
+# ---- 2. the guard covers the updated state; meta-optimizer settings are checked ------------------------
+def _tiny_maml_program():
+    from metatrain import config as config_lib
+    from metatrain.sharding import make_mesh
+
+    cfg = config_lib.load(None, ["task=maml", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
+                                 "model.vocab_size=64", "data.seq_len=8", "data.batch=2"])
+    return cfg, step.meta_program(cfg, make_mesh(cfg.mesh))
+
+
+@pytest.mark.parametrize("update, finite", [(optax.sgd(1e-3), True), (optax.scale(jnp.nan), False)])
+def test_a_non_finite_update_never_reaches_the_state(update, finite):
+    """A meta-optimizer whose update is NaN (the loss and meta-gradient are finite): the state is kept."""
+    import functools
+
+    cfg, program = _tiny_maml_program()
+    state = jax.jit(functools.partial(step.init_state, program.task, update, False))(jax.random.key(0))
+    batches = step.random_batches(cfg.data, 64, jax.random.key(1))
+    new, metrics = jax.jit(functools.partial(step.outer_step, program.task, program.method, update))(state, *batches)
+    assert bool(metrics["finite"]) is finite and bool(jnp.isfinite(metrics["meta_grad_norm"]))
+    same = [bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(new["meta"]), jax.tree.leaves(state["meta"]))]
+    assert all(same) is not finite and int(new["step"]) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("meta_opt.lr=nan", "meta_opt.lr: must be a finite number > 0, got nan"),
+    ("meta_opt.lr=-1", "meta_opt.lr: must be a finite number > 0, got -1"),
+    ("meta_opt.clip_norm=0", "meta_opt.clip_norm: must be a finite number > 0"),
+    ("meta_opt.eps=inf", "meta_opt.eps: must be a finite number > 0"),
+    ("meta_opt.weight_decay=-0.1", "meta_opt.weight_decay: must be a finite number >= 0"),
+    ("meta_opt.warmup_steps=-5", "meta_opt.warmup_steps: must be >= 0"),
+    ("inner_lr=nan", "inner_lr: must be a finite number > 0"),
+    # 4. every numeric field is range-checked before anything is built
+    ("keep_checkpoints=0", "keep_checkpoints: must be >= 1, got 0"),
+    ("checkpoint_every=-1", "checkpoint_every: must be >= 0"),
+    ("log_every=0", "log_every: must be >= 1"),
+    ("max_bad_steps=0", "max_bad_steps: must be >= 1"),
+    ("eval_batches=0", "eval_batches: must be >= 1"),
+    ("steps=0", "steps: must be >= 1"),
+    # and the earlier ones
+    ("model.dmodel=3", "model.dmodel: Key 'dmodel' not in 'ModelConfig'"),
+    ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
+    ("mode=fast", "mode: 'fast' is not one of"),
+    ("data.seq_len=0", "data.seq_len must be > 0"),
+])
+def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
+    assert code == 2
+    one_line_error(err, message)
+    assert not (tmp_path / "run").exists()  # refused before the run started
+
+
+# ---- 3. one run per work dir --------------------------------------------------------------------------
+def test_a_second_run_in_a_busy_workdir_is_refused_and_a_dead_one_leaves_no_lock(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    with Lock(str(workdir)):
+        code, _, err = _train([f"workdir={workdir}"], capsys)
+    assert code == 2
+    one_line_error(err, f"workdir: {workdir} is in use by another run (pid {os.getpid()} on ")
+    hold = (f"from metatrain.workdir import Lock; held = Lock({str(workdir)!r}).acquire(); print('locked', "
+            "flush=True); import time; time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold],
+                              env=env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(Exception, match=f"pid {holder.pid} on"):
+        Lock(str(workdir)).acquire()
+    holder.kill()
+    holder.wait()
+    Lock(str(workdir)).acquire().release()  # the killed process's lock went with it
+
+
+# ---- 5. a damaged latest checkpoint -----------------------------------------------------------------
+def _data_files(workdir, step):
+    root = workdir / "checkpoints" / str(step) / "state"
+    return sorted((p for p in root.rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size)
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_newest_intact_one_used(shared_run, tmp_path, capsys):
+    workdir = _copy(shared_run, tmp_path)
+    biggest = _data_files(workdir, 4)[-1]
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # truncated
+    code, out, err = _train([f"workdir={workdir}", "steps=5", "log.wandb=false"], capsys)
+    assert code == 0, err[-3000:]
+    assert "checkpoint 4 in " in err and "is damaged (" in err and "moved to damaged-4" in err
+    assert "resuming from checkpoint 2, the newest intact one" in err
+    assert "resuming the run in" in out and "from step 2" in out
+    # a fresh checkpoint 4 could be saved: the damaged one is out of the way
+    assert checkpoints(workdir) == [2, 4, 5] and (workdir / "checkpoints" / "damaged-4").is_dir()
+
+
+def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
+    workdir = _copy(shared_run, tmp_path)
+    (workdir / "checkpoints" / "4" / "state" / "_METADATA").unlink()  # metadata gone
+    zeroed = _data_files(workdir, 2)[-1]
+    zeroed.write_bytes(bytes(zeroed.stat().st_size))  # data zeroed
+    code, _, err = _train([f"workdir={workdir}", "steps=5", "log.wandb=false"], capsys)
+    assert code == 2
+    one_line_error(err, "no intact checkpoint in ", "4: ", "2: ", "start a new run in another workdir")
+
+
+# ---- 6. resuming with another configuration, or nothing left to do ---------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    ([*TINY, "model.d_model=32"], "first difference: model.d_model: 16 -> 32"),
+    ([*TINY, "task=maml"], "first difference: task: 'loss_weighting' -> 'maml'"),
+    (["learned_lr"], "first difference: task: 'loss_weighting' -> 'learned_lr'"),  # another preset named
+    ([*TINY, "steps=4"], "steps: the run in "),
+    ([*TINY, "steps=3"], "is already at step 4 (steps=3); set steps above 4"),
+])
+def test_resuming_with_another_configuration_or_too_few_steps(shared_run, tmp_path, capsys, argv, says):
+    workdir = _copy(shared_run, tmp_path)
+    saved = (workdir / "config.yaml").read_text()
+    assert cli.main(["train", *argv, f"workdir={workdir}"]) == 2
+    one_line_error(capsys.readouterr().err, says)
+    assert (workdir / "config.yaml").read_text() == saved  # untouched
+
+
+# ---- 6b, 7. SIGTERM and SIGINT save and stop cleanly, also right after a periodic save ------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_and_stops_with_one_line(tmp_path, sig):
+    workdir = tmp_path / "run"
+    proc = metatrain("train", *TINY, f"workdir={workdir}", "steps=100000", "checkpoint_every=1", background=True)
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no steps within 300 s"
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    step = checkpoints(workdir)[-1]
+    one_line_error(err, f"stopped by {sig.name} at step {step}; checkpoint {step} saved")
+    assert "already exists" not in err and "KeyboardInterrupt" not in err
+    assert not [n for n in os.listdir(workdir / "checkpoints") if "tmp" in n]
+
+
+# ---- 9. messages that name the thing to fix ---------------------------------------------------------
+def test_export_of_a_missing_or_foreign_dir(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path / "missing")]) == 2
+    one_line_error(capsys.readouterr().err, f"{tmp_path / 'missing'}: no such directory")
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["export", str(tmp_path / "empty")]) == 2
+    one_line_error(capsys.readouterr().err, f"{tmp_path / 'empty'} is not a metatrain run: it has no checkpoint")
+
+
+def test_a_folder_as_data_source_points_to_data_build(tmp_path, capsys):
+    (tmp_path / "docs").mkdir()
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", f"data.source={tmp_path / 'docs'}"], capsys)
+    assert code == 2
+    one_line_error(err, "data.source:", "is a path, not a dataset", f"metatrain data build {tmp_path / 'docs'}")
+
+
+def test_a_task_module_that_fails_to_import_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_tasks.py").write_text("import math\n\nRATE = 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", "task=broken_tasks:Mine"], capsys)
+    assert code == 2
+    one_line_error(err, "importing module 'broken_tasks' raised ZeroDivisionError at ",
+                   f"{tmp_path / 'broken_tasks.py'}:3")
+
+
+def test_a_workdir_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = _train([f"workdir={tmp_path / 'afile'}"], capsys)
+    assert code == 2
+    one_line_error(err, f"workdir: '{tmp_path / 'afile'}' is a file")

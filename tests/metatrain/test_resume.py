@@ -1,0 +1,53 @@
+"""Runs continued and moved: exact resume after SIGKILL, 1 vs 8 devices, a checkpoint restored onto another mesh."""
+
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import SHARED_RUN
+from helpers import TINY, assert_same_params, checkpoints, leaves, metatrain, saved_state, train
+
+pytestmark = pytest.mark.slow
+NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log nowhere else
+
+
+def test_exact_resume_after_sigkill(tmp_path):
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    proc = metatrain("train", *TINY, "baseline=uniform", f"workdir={killed}", "steps=1000", "checkpoint_every=3",
+                     background=True)
+    deadline = time.time() + 300
+    while not checkpoints(killed):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    latest = checkpoints(killed)[-1]
+    assert latest < 1000
+    target = latest + 3
+    out = train(killed, f"steps={target}", resume=True)
+    assert f"from step {latest}" in out
+    train(straight, "baseline=uniform", f"steps={target}", "checkpoint_every=3")
+    a, b = saved_state(killed, target), saved_state(straight, target)
+    for key in ("meta", "inner", "base"):
+        for x, y in zip(leaves(a[key]), leaves(b[key])):
+            np.testing.assert_array_equal(x, y)  # bit-identical
+
+
+def test_eight_devices_agree_with_one_and_restore_onto_one(shared_run, tmp_path):
+    """The shared run (1 device) against the same run on 8 devices (mesh 4x2), and against a run whose step-2
+    checkpoint, written on 8 devices, is resumed on 1."""
+    eight, moved = tmp_path / "eight", tmp_path / "moved"
+    out = metatrain("train", *SHARED_RUN, f"workdir={eight}", "mesh.fsdp=2", NO_WANDB, devices=8)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4x2 (data x fsdp) devices" in out.stdout
+    one = saved_state(shared_run["workdir"], 4)
+    for key in ("meta", "inner", "base"):
+        assert_same_params(one[key], saved_state(eight, 4)[key])
+    shutil.copytree(eight, moved)
+    shutil.rmtree(moved / "checkpoints" / "4")
+    train(moved, "steps=4", "mesh.fsdp=1", NO_WANDB, resume=True)  # the saved config says fsdp=2
+    for key in ("meta", "inner", "base"):
+        assert_same_params(one[key], saved_state(moved, 4)[key])

@@ -1,0 +1,59 @@
+"""Experiment tracking that survives preemption: the W&B run id kept in the work dir, and a remote work dir
+receiving the metrics, TensorBoard events and plot."""
+
+import json
+
+from conftest import fake_wandb
+from helpers import TINY
+
+from metatrain import config as config_lib
+from metatrain import tracking
+
+
+def test_a_restarted_run_resumes_the_same_wandb_run(tmp_path):
+    cfg = config_lib.load(None, [*TINY, f"workdir={tmp_path / 'run'}", "log.wandb=true", "log.wandb_project=p",
+                                 "log.wandb_entity=team"])
+    calls = tmp_path / "calls.jsonl"
+    with fake_wandb(calls):
+        tracking.require_wandb(cfg)
+        for _ in range(2):  # the first start, then a restart (as after a preemption)
+            log = tracking.MetricsLog(cfg)
+            log.write({"step": 1, "outer_loss": 2.5})
+            log.close()
+    inits = [c for c in map(json.loads, calls.read_text().splitlines()) if c["call"] == "init"]
+    run_id = (tmp_path / "run" / "wandb_id").read_text().strip()
+    assert len(inits) == 2 and {c["id"] for c in inits} == {run_id} and len(run_id) == 8
+    assert all(c["resume"] == "allow" and c["project"] == "p" and c["entity"] == "team" and c["name"] == "run"
+               for c in inits)
+
+
+def test_wandb_without_the_package_is_refused(tmp_path, capsys, monkeypatch):
+    from metatrain import cli
+
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["train", *TINY, f"workdir={tmp_path / 'run'}", "log.wandb=true"]) == 2
+    assert "log.wandb: the wandb package is not installed" in capsys.readouterr().err
+
+
+def test_logs_are_copied_into_a_remote_workdir(tmp_path, monkeypatch):
+    """gs:// stands for a bucket here: epath is pointed at a local folder, the copy logic is the real one."""
+    from etils import epath
+
+    bucket = tmp_path / "bucket"
+    real = epath.Path
+    monkeypatch.setattr(epath, "Path", lambda p: real(str(p).replace("gs://", f"{bucket}/")))
+    log_dir = tmp_path / "local"
+    (log_dir / "tensorboard").mkdir(parents=True)
+    (log_dir / "wandb" / "run-1").mkdir(parents=True)
+    (log_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (log_dir / "tensorboard" / "events.out.tfevents.1").write_bytes(b"\x00\x01")
+    (log_dir / "curves.png").write_bytes(b"\x89PNG")
+    (log_dir / ".lock").write_text("pid 1")
+    (log_dir / "wandb" / "run-1" / "x.wandb").write_text("w")
+    tracking.copy_logs(str(log_dir), "gs://b/runs/x")
+    copied = sorted(str(p.relative_to(bucket / "b" / "runs" / "x")) for p in (bucket / "b" / "runs" / "x").rglob("*")
+                    if p.is_file())
+    assert copied == ["curves.png", "metrics.jsonl", "tensorboard/events.out.tfevents.1"]
+    assert (bucket / "b" / "runs" / "x" / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"\x00\x01"
+    tracking.copy_logs(str(log_dir), str(tmp_path / "local_workdir"))  # a local work dir: nothing to copy
+    assert not (tmp_path / "local_workdir").exists()

@@ -1,0 +1,142 @@
+"""The package as a whole: no import cycles, layers that only import downward, nothing that points outside the
+repository, and a user's own `models.py` / `data.py` never shadowing metatrain's."""
+
+import ast
+import concurrent.futures
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TINY, env
+
+ROOT = Path(__file__).resolve().parent.parent
+# the source folders and the names they are installed under (pyproject.toml's package-dir)
+PACKAGES = {"metatrain": "metatrain", "models": "metatrain.models", "data": "metatrain.data",
+            "launch": "metatrain.launch"}
+ENGINE_AND_RUN_STACK = ("metatrain.mixflow", "metatrain.unroll", "metatrain.tasks", "metatrain.config",
+                        "metatrain.sharding", "metatrain.step", "metatrain.trainer", "metatrain.pretrain",
+                        "metatrain.export", "metatrain.distributed", "metatrain.checkpoints", "metatrain.workdir",
+                        "metatrain.tracking", "metatrain.auto", "metatrain.aot", "metatrain.models",
+                        "metatrain.data")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, name in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((name, *parts))] = path
+    return found
+
+
+def imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """metatrain modules that `module` imports when it is imported (module level, not inside functions). `from X
+    import Y` depends on X.Y when that is a module, else on X; a module's own parent packages are always
+    initialised before it, so they are not edges."""
+    tree, out = ast.parse(path.read_text()), set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in tree.body:
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                out.add(name)
+    return out
+
+
+def test_no_import_cycles_and_layers_import_downward():
+    mods = modules()
+    graph = {m: imports(p, m, set(mods)) for m, p in mods.items()}
+    assert {"metatrain.step", "metatrain.models.config", "metatrain.bench.memory", "metatrain.cli.run"} <= set(graph)
+    state = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in graph[m]:
+            if state.get(n) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    for m, deps in graph.items():
+        if m.startswith(ENGINE_AND_RUN_STACK):
+            assert not {d for d in deps if d.startswith(("metatrain.bench", "metatrain.cli"))}, m
+    assert graph["metatrain.aot"] <= {"metatrain.errors", "metatrain"}  # JAX alone (and the error types)
+
+
+@pytest.mark.slow
+def test_each_module_imports_alone_in_a_fresh_interpreter():
+    def load(name):
+        res = subprocess.run([sys.executable, "-c", f"import {name}"], env=env(), capture_output=True, text=True)
+        return name, res.returncode, res.stderr[-1500:]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        scripts = [m for m in modules() if m.endswith("__main__")]  # they run when imported
+        failed = [(n, err) for n, code, err in pool.map(load, [m for m in modules() if m not in scripts]) if code]
+    assert not failed, failed
+
+
+OUTSIDE = [r"shared/", r"FACTS\.md", r"[Pp]rototype", r"/tmp/", r"/var/folders/", r"pytest-of-", r"/root/",
+           r"/work/", r"/home/"]
+
+
+def test_nothing_points_outside_the_repository():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*")), *sorted((ROOT / "configs").rglob("*"))]
+    files += [p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*"))]
+    hits = []
+    for path in files:
+        if not path.is_file() or path.suffix in (".png", ".pyc"):
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()[:120]}" for p in OUTSIDE if re.search(p, line)]
+    assert not hits, "\n".join(hits)
+
+
+def test_help_is_built_from_the_constants(capsys):
+    from metatrain import cli
+    from metatrain.mixflow import MODES
+    from metatrain.models import SMALL_PRESETS
+    from metatrain.tasks import BUILTIN
+    from metatrain.unroll import INNER_CHECKPOINTS
+
+    with pytest.raises(SystemExit):
+        cli.main(["check-grads", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert " | ".join(BUILTIN) in text and ", ".join(MODES) in text
+    assert "{" + ",".join(INNER_CHECKPOINTS) + "}" in text and ", ".join(SMALL_PRESETS) in text
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "README.md" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_users_models_and_data_modules_do_not_shadow_metatrain(tmp_path):
+    """A user's folder holding models.py, data.py (that break when imported) and a task module, on the path as
+    the README's `PYTHONPATH=.` puts it: `metatrain train` with that task still runs."""
+    for name in ("models", "data", "launch"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
+    (tmp_path / "mytasks.py").write_text(
+        "import jax.numpy as jnp\nfrom metatrain.tasks import LossWeighting\n\n\n"
+        "class Sharper(LossWeighting):\n    def init_meta(self, key):\n"
+        "        meta = super().init_meta(key)\n        return {**meta, 'log_temperature': jnp.ones(())}\n")
+    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, "task=mytasks:Sharper", "steps=1",
+                          f"workdir={tmp_path / 'run'}"], cwd=tmp_path, env=env() | {"PYTHONPATH": "."},
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "validation loss:" in res.stdout and "user's own" not in res.stderr
