@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
@@ -76,12 +76,10 @@ def document_source(cfg: DataConfig):
     NAME of a dataset built by `metatrain data build` (a TFDS dataset in `data.data_dir`)."""
     if cfg.source == "builtin":
         return FileDocuments(builtin_corpus_files())
-    name = cfg.source.removeprefix("tfds:")
-    if os.path.exists(name) or "/" in name or os.sep in name:
+    name = cfg.source.removeprefix("tfds:")  # a TFDS name may carry a config and version: c4/en:3.0.1
+    if os.path.exists(name) or name.startswith(("/", "./", "../", "~")):
         raise DataError(f"data.source: {cfg.source!r} is a path, not a dataset; make a dataset from it with "
                         f"`metatrain data build {name} --name NAME` and use data.source=tfds:NAME")
-    if ":" in name:
-        raise DataError(f"data.source: {cfg.source!r} is not a known source; use builtin or tfds:NAME")
     from metatrain.data import tfds_source  # imports tensorflow_datasets, only when needed
 
     return tfds_source.text_source(name, cfg.split, cfg.data_dir)
@@ -222,11 +220,13 @@ class Streams:
         """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step."""
         return _concat([next(it) for it in self.inner], 1), _concat([next(it) for it in self.outer], 0)
 
-    def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345) -> list[dict]:
-        """`n` batches [batch, seq+1] of held-out test documents (never in either stream), the same every call."""
+    def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345) -> Iterator[dict]:
+        """Up to `n` batches [batch, seq+1] of held-out test documents (never in either stream), the same every
+        call, made as they are asked for."""
         its = [iter(stream(self._docs, self.test_ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
                            process_index=k, **self._common)) for k in self._shards]
-        return [_concat([next(it) for it in its], 0) for _ in range(n)]
+        for _ in range(n):
+            yield _concat([next(it) for it in its], 0)
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": [it.get_state() for it in self.inner], "outer": [it.get_state() for it in self.outer]}

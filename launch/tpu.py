@@ -76,7 +76,11 @@ def working_tree(code: Path) -> tuple[list[str], list[str]]:
 
     try:
         files = [f for f in git("ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0") if f]
-        changed = {line[3:] for line in git("status", "--porcelain", "--untracked-files=all").splitlines()}
+        changed = set(git("ls-files", "--others", "--exclude-standard", "-z").split("\0"))
+        try:
+            changed |= set(git("diff", "--name-only", "-z", "HEAD").split("\0"))  # staged or not
+        except subprocess.CalledProcessError:  # no commit yet: nothing is committed
+            changed = set(files)
     except (OSError, subprocess.CalledProcessError):  # not a git checkout
         files, changed = [], set()
         for d, dirs, names in os.walk(code):

@@ -152,12 +152,11 @@ class Trainer:
         # scores and flags of the global batch, gathered onto every host
         score = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"]), out_shardings=self._replicated)
         n = max(self.cfg.eval_batches, 8)
-        batches = [to_global(b, self._outer_sharding) for b in
-                   self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777)]
-        results = [jax.device_get(score(self.state["meta"], b)) for b in batches[:n]]
-        while n < len(batches) and len(np.unique(np.concatenate([f for _, f in results]))) < 2:
-            results.append(jax.device_get(score(self.state["meta"], batches[n])))
-            n += 1
+        results = []
+        for b in self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777):
+            if len(results) >= n and len(np.unique(np.concatenate([f for _, f in results]))) == 2:
+                break
+            results.append(jax.device_get(score(self.state["meta"], to_global(b, self._outer_sharding))))
         scores, flags = (np.concatenate(x) for x in zip(*results))
         return roc_auc(scores, 1 - flags)
 

@@ -36,6 +36,11 @@ FAKES = os.path.join(TESTS, "fakes")
 SHARED_RUN = [*TINY, "baseline=uniform", "steps=4", "checkpoint_every=2", "log.wandb=true"]
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first, so that the two xdist workers (work stealing) end together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session):
     owned = os.environ.get("METATRAIN_TEST_OWNS_CACHE")
     if owned and not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker

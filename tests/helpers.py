@@ -12,7 +12,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # a tiny loss-weighting run: well under a second per step on CPU
 TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300",
-        "data.seq_len=16", "data.batch=8", "data.shuffle_window=1024", "data.corrupt_fraction=0.3",
+        "data.seq_len=16", "data.batch=8", "data.shuffle_window=256", "data.corrupt_fraction=0.3",
         "eval_batches=1", "log_every=1", "inner_lr=0.01"]
 
 
@@ -65,13 +65,17 @@ def leaves(tree):
 
 
 def assert_same_params(a, b):
-    """Relative error ||a - b|| / ||a|| <= 1e-5 over all parameters (float32). Not the max over entries:
-    Adam turns a gradient entry that cancels to ~0 into a step of about ±lr whose sign follows the
-    reduction order, so on 1 vs 8 devices a handful of such entries legitimately differ by ~lr. We
-    check that they stay a handful (<= 0.1% of entries off by more than 1e-5 of the largest)."""
+    """Two float32 parameter trees agree up to reduction order. Adam turns a gradient entry that cancels to ~0
+    into a step of about ±lr whose sign follows the reduction order, so on 1 vs several devices a handful of
+    such entries legitimately differ by ~lr. We check that they stay a handful (<= 0.1% of entries off by more
+    than 1e-5 of the largest, none by more than 1e-2 of it) and that all other entries agree to a relative
+    error ||a - b|| / ||a|| <= 1e-5."""
     x, y = (np.concatenate([v.ravel() for v in leaves(s)]) for s in (a, b))
-    assert np.linalg.norm(x - y) / np.linalg.norm(x) <= 1e-5
-    assert (np.abs(x - y) > 1e-5 * np.abs(x).max()).mean() <= 1e-3
+    diff, scale = np.abs(x - y), np.abs(x).max()
+    flipped = diff > 1e-5 * scale
+    assert flipped.mean() <= 1e-3, f"{flipped.sum()} of {x.size} entries differ"
+    assert diff.max() <= 1e-2 * scale, diff.max()
+    assert np.linalg.norm(np.where(flipped, 0, x - y)) / np.linalg.norm(x) <= 1e-5
 
 
 def one_line_error(err: str, *needles: str) -> None:

@@ -1,4 +1,4 @@
-"""The multi-host path on one machine: 2 processes x 4 CPU devices against 1 process on 1 device, resume across a
+"""The multi-host path on one machine: 2 processes x 2 CPU devices against 1 process on 1 device, resume across a
 2-process restart, and a dead process stopping the job."""
 
 import signal
@@ -18,9 +18,9 @@ MULTI = [*TINY, "mesh.fsdp=2", "data.shards=2"]
 
 def test_two_processes_match_one_and_resume(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
-    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=2"], processes=2, devices=4) == 0
+    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=2"], processes=2, devices=2) == 0
     # a new 2-process job continues from the checkpoint the first one wrote
-    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=4) == 0
+    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=2) == 0
     # the same run, uninterrupted, on this process's one device: the same logical data shards, one mesh axis
     assert cli.main(["train", *MULTI, "mesh.fsdp=1", f"workdir={single}", "steps=4", "checkpoint_every=2"]) == 0
     for step in (2, 4):
