@@ -1,8 +1,11 @@
-"""tiktoken BPE tokenizers that work offline, optionally cut down to a smaller vocabulary."""
+"""Tokenizers that work offline: tiktoken BPEs (optionally cut down to a smaller vocabulary), and a Hugging Face
+model's own `tokenizer.json` (`hf:DIR`, through the `tokenizers` library: no transformers at run time)."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import numpy as np
 import tiktoken
@@ -31,8 +34,76 @@ class Tokenizer:
         return self.encoding.decode([int(i) for i in ids])
 
 
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`. Documents end with the model's EOS token; `vocab_size` is the model's
+    vocabulary (`vocab_size` of the directory's config.json or export.json, never less than the tokenizer's)."""
+
+    def __init__(self, directory: str):
+        from tokenizers import Tokenizer as Backend
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.tokenizer: {path} not found; hf:DIR needs a Hugging Face model or metatrain "
+                              f"import dir holding tokenizer.json")
+        try:
+            self.backend = Backend.from_file(path)
+        except Exception as e:  # noqa: BLE001 — the Rust library raises its own exception type
+            raise ConfigError(f"data.tokenizer: {path} cannot be read: {str(e).splitlines()[0][:200]}") from None
+        model_vocab = _model_vocab(directory)
+        self.vocab_size = max(self.backend.get_vocab_size(with_added_tokens=True), model_vocab or 0)
+        self.eot = _eos_id(directory, self.backend)
+
+    def encode(self, text: str, eot: bool = True) -> np.ndarray:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids + [self.eot] if eot else ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _model_vocab(directory: str) -> int | None:
+    config = _read_json(os.path.join(directory, "config.json"))
+    return config.get("vocab_size") or _read_json(os.path.join(directory, "export.json")).get("model", {}).get(
+        "vocab_size")
+
+
+def _eos_id(directory: str, backend) -> int:
+    """The model's EOS id: config.json's `eos_token_id` (the first if a list), else tokenizer_config.json's
+    `eos_token`, else a token named like an end of text."""
+    eos = _read_json(os.path.join(directory, "config.json")).get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if isinstance(eos, int):
+        return eos
+    token = _read_json(os.path.join(directory, "tokenizer_config.json")).get("eos_token")
+    names = [token.get("content") if isinstance(token, dict) else token, "<|endoftext|>", "</s>", "<|end_of_text|>"]
+    for name in names:
+        if name and backend.token_to_id(name) is not None:
+            return backend.token_to_id(name)
+    raise ConfigError(f"data.tokenizer: {directory} names no EOS token (config.json eos_token_id or "
+                      f"tokenizer_config.json eos_token); documents need one as their separator")
+
+
+HF_PREFIX = "hf:"
+
+
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(name: str = DEFAULT_ENCODING, vocab_size: int | None = None) -> Tokenizer:
+def load_tokenizer(name: str = DEFAULT_ENCODING, vocab_size: int | None = None) -> Tokenizer | HFTokenizer:
+    """`hf:DIR`: that directory's tokenizer.json at the model's full vocabulary (`vocab_size` is ignored: a
+    pretrained model's vocabulary is never cut). Otherwise a tiktoken encoding by name (see `_tiktoken`)."""
+    if name.startswith(HF_PREFIX):
+        return HFTokenizer(os.path.expanduser(name[len(HF_PREFIX):]))
+    return _tiktoken(name, vocab_size)
+
+
+def _tiktoken(name: str, vocab_size: int | None) -> Tokenizer:
     """A tiktoken encoding by name. With `vocab_size=N`, keeps the N-1 lowest BPE ranks plus end-of-text
     (id N-1): a consistent smaller BPE (every kept token is reachable by merges of kept tokens), so
     small models are not dominated by a 100k-row embedding."""

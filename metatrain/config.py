@@ -9,6 +9,7 @@ before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from metatrain.data.pipeline import DataConfig
+from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, TaskError
 from metatrain.mixflow import MODES
 from metatrain.models import ModelConfig
@@ -45,7 +47,9 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
-    init_from: str = ""  # a `metatrain pretrain` work dir or an export dir: the inner model starts there
+    # the inner model starts from: a `metatrain pretrain` work dir, an export / import dir, or hf:DIR (a local Hugging
+    # Face model dir); with an export dir or hf:DIR the model's architecture (and tokenizer) follow the checkpoint
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Config:
     workdir: str = "runs/default"
     baseline: str = "none"  # none | uniform: also train the inner model with uniform weights on the same data
     eval_batches: int = 8
+    eval_every: int = 0  # held-out evaluation every this many steps and at the end; 0: 10 points per run
     log_every: int = 10
     checkpoint_every: int = 100  # 0: only at the end and when stopped
     keep_checkpoints: int = 3
@@ -96,7 +101,7 @@ def validate(cfg: Config) -> Config:
     _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + (AUTO,), "inner_checkpoint",
            f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + (AUTO,)}")
     for name, minimum in (("steps", 1), ("eval_batches", 1), ("log_every", 1), ("keep_checkpoints", 1),
-                          ("max_bad_steps", 1), ("checkpoint_every", 0)):
+                          ("max_bad_steps", 1), ("checkpoint_every", 0), ("eval_every", 0)):
         value = getattr(cfg, name)
         _check(value >= minimum, name, f"must be >= {minimum}, got {value}")
     _positive(cfg.inner_lr, "inner_lr")
@@ -112,9 +117,10 @@ def validate(cfg: Config) -> Config:
     _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
     _check(bool(cfg.workdir.strip()), "workdir", "must not be empty")
     _check(not os.path.isfile(cfg.workdir), "workdir", f"{cfg.workdir!r} is a file; give a directory (new or a run's)")
-    init_from = cfg.inner.init_from
+    init_from = cfg.inner.init_from.removeprefix(HF_PREFIX)
     _check(not init_from or os.path.isdir(init_from), "inner.init_from",
-           f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir or a `metatrain export` dir")
+           f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir, a `metatrain export` or "
+           f"`metatrain import hf` dir, or hf:DIR")
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
@@ -125,8 +131,39 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults ← `configs/<preset>.yaml` (or a YAML path) ← `key=value` overrides; validated."""
+# model fields a run chooses; the others (the architecture) follow a pretrained checkpoint
+RUN_MODEL_FIELDS = ("head", "remat", "remat_policy", "param_dtype", "compute_dtype", "attention", "attention_block")
+
+
+def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
+    """With `inner.init_from` an export / import dir or hf:DIR, the model's architecture comes from the checkpoint,
+    and so does the tokenizer (`hf:` its dir) where it has a tokenizer.json and `data.tokenizer` is not given."""
+    source = cfg.inner.init_from
+    if source.startswith(HF_PREFIX):
+        from metatrain import hf
+
+        directory = source[len(HF_PREFIX):]
+        model = hf.config_from_hf(hf.read_config(directory), os.path.join(directory, "config.json"))
+    elif source and os.path.isfile(os.path.join(source, "export.json")):
+        directory = source
+        with open(os.path.join(source, "export.json")) as f:
+            saved = json.load(f).get("model")
+        if not saved:
+            raise ConfigError(f"inner.init_from: {source} holds parameters that are not a model's")
+        model = ModelConfig(**saved)
+    else:
+        return cfg  # a pretrain work dir: the run states its model, and the checkpoint must match it
+    model = model.replace(**{name: getattr(cfg.model, name) for name in RUN_MODEL_FIELDS})
+    data = cfg.data
+    if not tokenizer_given and os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        data = dataclasses.replace(data, tokenizer=HF_PREFIX + directory)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool = True) -> Config:
+    """Defaults ← `configs/<preset>.yaml` (or a YAML path) ← `key=value` overrides; validated. With `pretrained`
+    the model follows `inner.init_from`'s checkpoint (`follow_pretrained`); False reads a saved config as it is."""
+    tokenizer_given = any(o.split("=")[0].strip() == "data.tokenizer" for o in overrides)
     try:
         merged = OmegaConf.structured(Config)
         if preset:
@@ -135,7 +172,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             if text is None:
                 names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
                 raise ConfigError(f"preset: no config {preset!r}; choose one of {names} or give a .yaml path")
-            merged = OmegaConf.merge(merged, OmegaConf.create(text))
+            preset_cfg = OmegaConf.create(text)
+            tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
+            merged = OmegaConf.merge(merged, preset_cfg)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
@@ -148,7 +187,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
-    return validate(cfg)
+    if not pretrained:
+        return dataclasses.replace(validate(dataclasses.replace(cfg, inner=InnerConfig())), inner=cfg.inner)
+    return follow_pretrained(validate(cfg), tokenizer_given)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,9 +1,10 @@
-"""Parameters out of a run: `export` writes a run's meta-parameters (or a pretrain run's parameters)
-alone; `load_params` reads a pretrained model for `inner.init_from`.
+"""Parameters in and out of runs: `export` writes a run's fine-tuned model, its meta-parameters or its
+baseline as an export dir or a Hugging Face model dir; `import_hf` makes an export dir of a Hugging Face
+model; `load_params` reads a pretrained model for `inner.init_from`.
 
-An export directory holds `params/` (an Orbax checkpoint of the pytree) and `export.json` (the
-run's kind, task, step and model config), so `nnx.merge(models.abstract_init(cfg)[0], params)`
-rebuilds the model elsewhere.
+An export directory holds `params/` (an Orbax checkpoint of the pytree), `export.json` (kind, task, step,
+what, model config, and the Hugging Face config it came from, if any) and the tokenizer files, so
+`nnx.merge(models.abstract_init(cfg)[0], params)` rebuilds the model elsewhere.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import json
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from metatrain import config as config_lib
+from metatrain import hf
 from metatrain import workdir as workdir_lib
 from metatrain.checkpoints import first_layout_difference
+from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
+from metatrain.models import ModelConfig
 
 
 def _latest_state(workdir: str) -> tuple[str, int, dict]:
@@ -55,30 +60,157 @@ def _check_matches(path: str, saved, target):
                           f"pretrain with the same model.* and data.vocab_size settings")
 
 
-def export(workdir: str, out: str | None = None) -> str:
-    """Write the latest checkpoint's meta-parameters (pretrain runs: the parameters) to `out`."""
+WHATS = ("inner", "meta", "baseline")
+FORMATS = ("orbax", "hf")
+
+
+@dataclasses.dataclass
+class Exported:
+    """Parameters taken out of a run or an export dir, and what is known about them."""
+
+    params: object  # as saved (nnx Variables as {"value": array} dicts)
+    model: ModelConfig | None  # the model they are the parameters of; None when they are not a model's
+    info: dict  # kind, task, step, what; hf_config and tokenizer_dir where known
+
+
+def _pure(tree):
+    """Saved parameters as a plain nested dict of numpy arrays (`{"value": x}` leaves unwrapped)."""
+    if isinstance(tree, dict):
+        return _pure(tree["value"]) if set(tree) == {"value"} else {k: _pure(v) for k, v in tree.items()}
+    if hasattr(tree, "items"):  # an nnx.State
+        return _pure(dict(tree.items()))
+    return np.asarray(getattr(tree, "value", tree))
+
+
+def _origin(init_from: str, tokenizer: str) -> dict:
+    """The Hugging Face config a run's model came from and the tokenizer dir it used, where there are any."""
+    info = {}
+    if init_from.startswith(HF_PREFIX) and os.path.isfile(os.path.join(init_from[len(HF_PREFIX):], "config.json")):
+        with open(os.path.join(init_from[len(HF_PREFIX):], "config.json")) as f:
+            info["hf_config"] = json.load(f)
+    elif init_from and os.path.isfile(os.path.join(init_from, "export.json")):
+        with open(os.path.join(init_from, "export.json")) as f:
+            info.update({k: v for k, v in json.load(f).items() if k == "hf_config"})
+    if tokenizer.startswith(HF_PREFIX):
+        info["tokenizer_dir"] = tokenizer[len(HF_PREFIX):]
+    return info
+
+
+def _from_workdir(workdir: str, what: str | None) -> Exported:
     state_dir, step, saved = _latest_state(workdir)
-    if config_lib.read_text(workdir_lib.config_path(workdir)) is None:
+    text = config_lib.read_text(workdir_lib.config_path(workdir))
+    if text is None:
         raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` or "
                         f"`metatrain pretrain`")
-    cfg = config_lib.load(workdir_lib.config_path(workdir))
-    kind = "pretrain" if "params" in saved else "meta-train"
-    params = _restore_part(state_dir, saved, "params" if kind == "pretrain" else "meta")
-    from metatrain.data.tokenizer import load_tokenizer
+    cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)  # as it ran, the source may be gone
+    model = cfg.model
+    if not cfg.data.tokenizer.startswith(HF_PREFIX):  # tiktoken: the model's vocabulary follows the tokenizer
+        from metatrain.data.tokenizer import load_tokenizer
 
-    model = cfg.model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
-    out = os.path.abspath(out or os.path.join(workdir, "export"))
-    with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
-        checkpointer.save(os.path.join(out, "params"), params, force=True)
+        model = model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
+    info = {"task": cfg.task, "step": step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
+    if "params" in saved:  # a pretrain run: its parameters are the model
+        if what not in (None, "inner"):
+            raise ConfigError(f"export --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
+        return Exported(_restore_part(state_dir, saved, "params"), model, dict(info, kind="pretrain", what="inner"))
+    if what in ("inner", "baseline"):
+        key = "inner" if what == "inner" else "base"
+        if key not in saved or saved[key] is None:
+            missing = ("uniform baseline (run with baseline=uniform)" if key == "base" else
+                       f"fine-tuned inner model: task {cfg.task!r} restarts every step from η; use --what meta")
+            raise ConfigError(f"export --what {what}: {workdir} has no {missing}")
+        part = _restore_part(state_dir, saved, key)
+        theta = (part["inner"] if key == "base" else part)[0]
+        return Exported(theta, model, dict(info, kind="meta-train", what=what))
+    meta = _restore_part(state_dir, saved, "meta")
+    if isinstance(meta, dict) and "embed" in meta:  # η is a model (MAML's initialisation)
+        meta_model = model
+    elif isinstance(meta, dict) and isinstance(meta.get("lm"), dict):  # loss weighting's scorer
+        meta_model, meta = model, meta["lm"]  # the scorer has the inner model's architecture
+    else:
+        meta_model = None
+    return Exported(meta, meta_model, dict(info, kind="meta-train", what="meta"))
+
+
+def _from_export_dir(path: str, what: str | None) -> Exported:
+    with open(os.path.join(path, "export.json")) as f:
+        info = json.load(f)
+    if what not in (None, info.get("what", "inner")):
+        raise ConfigError(f"export --what {what}: {path} is an export dir holding only {info.get('what', 'inner')!r}")
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(os.path.join(path, "params"))
+    model = ModelConfig(**info["model"]) if info.get("model") else None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        info["tokenizer_dir"] = path
+    return Exported(params, model, info)
+
+
+def read_source(src: str, what: str | None = None) -> Exported:
+    """The parameters of a run's work dir (`what`: inner | meta | baseline) or of an export / import dir."""
+    if what is not None and what not in WHATS:
+        raise ConfigError(f"export --what: {what!r} is not one of {WHATS}")
+    if os.path.isfile(os.path.join(src, "export.json")):
+        return _from_export_dir(src, what)
+    return _from_workdir(src, what)
+
+
+def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax") -> tuple[str, str]:
+    """Write parameters out of `src` (a work dir or an export dir): `orbax` an export dir that `inner.init_from`
+    accepts, `hf` a Hugging Face model dir. `what` defaults to inner for hf and to meta (pretrain runs: the model)
+    for orbax. Returns (the output dir, one line saying what was written)."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
+    exported = read_source(src, what or ("inner" if fmt == "hf" else None))
+    info = exported.info
+    out = os.path.abspath(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
+    if fmt == "hf":
+        if exported.model is None:
+            raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
+                              f"use --format orbax")
+        files = hf.write(out, exported.model, _pure(exported.params), info.get("hf_config"), info.get("tokenizer_dir"))
+    else:
+        with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
+            checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
+        payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
+        payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
+        with open(os.path.join(out, "export.json"), "w") as f:
+            json.dump(payload, f, indent=1)
+        files = ["params/", "export.json", *hf.copy_tokenizer(info.get("tokenizer_dir"), out)]
+    return out, f"{info.get('what', 'inner')} parameters ({info.get('kind')}, step {info.get('step')}): " + ", ".join(
+        files) + ("" if info.get("tokenizer_dir") else " (no tokenizer files: the run used a tiktoken encoding)")
+
+
+def import_hf(directory: str, out: str) -> tuple[str, ModelConfig]:
+    """A local Hugging Face model dir -> an export dir (`params/`, `export.json`, tokenizer files) that
+    `inner.init_from` accepts. Tensors are read one at a time."""
+    from flax import nnx
+
+    from metatrain import models
+
+    cfg, params = hf.read(directory)
+    _, state = models.abstract_init(cfg)
+    nnx.replace_by_pure_dict(state, params)
+    out = os.path.abspath(out)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(out, "params"), state, force=True)
     with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"kind": kind, "task": cfg.task, "step": step, "model": dataclasses.asdict(model)}, f,
-                  indent=1)
-    return out
+        json.dump({"kind": "import", "what": "inner", "source": os.path.abspath(directory),
+                   "model": dataclasses.asdict(cfg), "hf_config": hf.read_config(directory)}, f, indent=1)
+    hf.copy_tokenizer(directory, out)
+    return out, cfg
 
 
 def load_params(path: str, target):
     """Pretrained parameters from a `metatrain pretrain` work dir (its latest checkpoint) or an export
-    directory, restored onto `target` (ShapeDtypeStructs with shardings)."""
+    directory, or a Hugging Face model dir (`hf:DIR`), restored onto `target` (ShapeDtypeStructs with shardings)."""
+    if path.startswith(HF_PREFIX):
+        from flax import nnx
+
+        _, params = hf.read(path[len(HF_PREFIX):], str(jax.tree.leaves(target)[0].dtype))
+        state = jax.tree.map(lambda t: t, target)  # a copy of the target's structure to fill
+        nnx.replace_by_pure_dict(state, params)
+        _check_matches(path, state, target)
+        return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target)
     if os.path.exists(os.path.join(path, "export.json")):
         with ocp.StandardCheckpointer() as checkpointer:
             params_dir = os.path.join(path, "params")

@@ -1,4 +1,10 @@
-"""PNG of a run's curves from its metrics.jsonl."""
+"""The run report: a PNG of one or more runs from their metrics.jsonl (and eval_weights.json).
+
+Panels, each only where a run has its data: held-out validation loss of the learned run vs the uniform
+baseline over steps (the headline); corrupted-vs-clean AUC over steps; a histogram of the final weights of
+clean vs corrupted held-out examples (all examples without flags); training losses, smoothed (EMA) over the
+faint raw curve; the (meta-)gradient norm. Several work dirs overlay, named in the legends.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import json
 import os
 
 import matplotlib
+import numpy as np
 
 from metatrain.errors import DataError
 
@@ -13,26 +20,89 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_run(workdir: str, out: str | None = None) -> str:
+def _read(workdir: str) -> tuple[list[dict], list[dict], dict | None]:
+    """(training rows, evaluation rows, final weights) of a work dir."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise DataError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
     rows = [json.loads(line) for line in open(path) if line.strip()]
     if not rows:
         raise DataError(f"{path} is empty: nothing to plot yet")
-    steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_grad) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, style in (("outer_loss", "-"), ("inner_loss", "--"), ("baseline_outer_loss", ":"),
-                       ("baseline_inner_loss", "-.")):
-        if key in rows[0]:
-            ax_loss.plot(steps, [r[key] for r in rows], style, label=key.replace("_", " "))
-    ax_loss.set(xlabel="outer step", ylabel="loss", title="losses")
-    ax_loss.legend()
-    norm = "meta_grad_norm" if "meta_grad_norm" in rows[0] else "grad_norm"  # pretrain runs: no meta level
-    ax_grad.plot(steps, [r[norm] for r in rows])
-    ax_grad.set(xlabel="step", ylabel="norm", title=norm.replace("_", " "), yscale="log")
+    weights_path = os.path.join(workdir, "eval_weights.json")
+    weights = json.load(open(weights_path)) if os.path.exists(weights_path) else None
+    evals = [r for r in rows if "eval_validation_loss" in r]
+    return [r for r in rows if "eval_validation_loss" not in r], evals, weights
+
+
+def ema(values: list[float], decay: float = 0.9) -> np.ndarray:
+    """Exponential moving average, bias-corrected so the first points are not pulled to 0."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc = decay * acc + (1 - decay) * v
+        out.append(acc / (1 - decay ** (i + 1)))
+    return np.asarray(out)
+
+
+def _series(rows: list[dict], key: str):
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_runs(workdirs: list[str], out: str | None = None) -> str:
+    runs = {os.path.basename(os.path.normpath(w)) or w: _read(w) for w in workdirs}
+    several = len(runs) > 1
+    colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    has = lambda key, part=1: any(any(key in r for r in run[part]) for run in runs.values())
+    panels = [p for p, ok in (("val", has("eval_validation_loss")), ("auc", has("eval_auc")),
+                              ("weights", any(run[2] for run in runs.values())),
+                              ("train", True), ("norm", True)) if ok]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4))
+    axes = dict(zip(panels, np.atleast_1d(axes)))
+    for name, (train, evals, weights) in runs.items():
+        c, tag = colors[name], (f"{name}: " if several else "")
+        if "val" in axes:
+            ax = axes["val"]
+            ax.plot(*_series(evals, "eval_validation_loss"), "-o", ms=3, color=c, label=f"{tag}learned")
+            if any("eval_baseline_validation_loss" in r for r in evals):
+                ax.plot(*_series(evals, "eval_baseline_validation_loss"), "--s", ms=3, color=c, alpha=0.7,
+                        label=f"{tag}uniform baseline")
+        if "auc" in axes and any("eval_auc" in r for r in evals):
+            axes["auc"].plot(*_series(evals, "eval_auc"), "-o", ms=3, color=c, label=name)
+        if "weights" in axes and weights:
+            w = np.asarray(weights["weights"])
+            flags = weights.get("corrupted")
+            groups = ([("clean", w[np.asarray(flags) == 0], "tab:green"), ("corrupted", w[np.asarray(flags) == 1],
+                                                                          "tab:red")] if flags is not None
+                      else [("all examples", w, c)])
+            bins = np.linspace(w.min(), w.max() + 1e-9, 30)
+            for label, values, color in groups:
+                axes["weights"].hist(values, bins=bins, alpha=0.55, color=color if not several else None,
+                                     label=f"{tag}{label} (mean {values.mean():.2f})" if len(values) else label)
+        ax = axes["train"]
+        for key, style in (("outer_loss", "-"), ("baseline_outer_loss", "--"), ("inner_loss", ":"),
+                           ("loss", "-")):
+            steps, values = _series(train, key)
+            if values:
+                ax.plot(steps, values, style, color=c, alpha=0.2, lw=0.8)
+                ax.plot(steps, ema(values), style, color=c, label=f"{tag}{key.replace('_', ' ')}")
+        norm = "meta_grad_norm" if has("meta_grad_norm", 0) else "grad_norm"  # pretrain runs: no meta level
+        axes["norm"].plot(*_series(train, norm), color=c, label=name)
+    titles = {"val": ("held-out validation loss: learned vs uniform", "outer step", "next-token loss"),
+              "auc": ("corrupted vs clean: ROC AUC of the scores", "outer step", "AUC (0.5 = chance)"),
+              "weights": ("final weights of held-out examples", "weight α (mean 1 per batch)", "examples"),
+              "train": ("training losses (EMA; raw faint)", "step", "loss"),
+              "norm": ("meta-gradient norm" if has("meta_grad_norm", 0) else "gradient norm", "step", "norm")}
+    for panel, ax in axes.items():
+        title, xlabel, ylabel = titles[panel]
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if panel == "norm":
+            ax.set_yscale("log")
+        if panel == "auc":
+            ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+        if ax.get_legend_handles_labels()[0] and (panel not in ("norm", "auc") or several):
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    out = out or os.path.join(workdir, "curves.png")
+    out = out or os.path.join(workdirs[0], "curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -69,7 +69,7 @@ class MetricsLog:
         self.jsonl.flush()
         step = metrics["step"]
         for k, v in metrics.items():
-            if k != "step":
+            if k != "step" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, step)
         self.tb.flush()
         if self.wandb is not None:

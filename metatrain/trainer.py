@@ -144,21 +144,69 @@ class Trainer:
                                 for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 
-    def corrupted_auc(self, max_batches: int = 64) -> float | None:
-        """ROC AUC of the meta model's scores for clean (positive) vs corrupted test examples, over at least
-        `eval_batches` (and 8) held-out batches, more while one class is missing; NaN if it stays missing."""
+    def _scored(self, max_batches: int = 64) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(scores, weights, corrupted flags) of the meta model on held-out examples, gathered on every host.
+        With corruption flags: at least `eval_batches` (and 8) flagged batches, more while one class is missing,
+        chosen at the first call and kept; without: the validation batches. Weights: the task's α(η, x) within
+        each batch of the run's size (None for tasks without `weights`)."""
+        weights = getattr(self.task, "weights", None)
+        if not hasattr(self, "_score_fn"):
+            self._score_fn = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"],
+                                                      weights(meta, b) if weights else b["corrupted"]),
+                                     out_shardings=self._replicated)
+        results = []
+        if not hasattr(self, "_scored_batches"):
+            flagged = self.cfg.data.corrupt_fraction > 0
+            batches = (self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777) if flagged
+                       else iter(self._test_batches()))
+            n, kept = max(self.cfg.eval_batches, 8) if flagged else len(self._test_batches()), []
+            for b in batches:
+                if len(results) >= n and (not flagged or len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
+                    break
+                kept.append(b if not flagged else to_global(b, self._outer_sharding))
+                results.append(jax.device_get(self._score_fn(self.state["meta"], kept[-1])))
+            self._scored_batches = kept
+        else:
+            results = [jax.device_get(self._score_fn(self.state["meta"], b)) for b in self._scored_batches]
+        scores, flags, alphas = (np.concatenate(x) for x in zip(*results))
+        return (scores, alphas if weights else None,
+                flags if self.cfg.data.corrupt_fraction > 0 else None)
+
+    def corrupted_auc(self) -> float | None:
+        """ROC AUC of the meta model's scores for clean (positive) vs corrupted held-out examples; None without
+        scores or corruption, NaN if the held-out sample keeps only one class."""
         if not hasattr(self.task, "scores") or self.cfg.data.corrupt_fraction <= 0:
             return None
-        # scores and flags of the global batch, gathered onto every host
-        score = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"]), out_shardings=self._replicated)
-        n = max(self.cfg.eval_batches, 8)
-        results = []
-        for b in self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777):
-            if len(results) >= n and len(np.unique(np.concatenate([f for _, f in results]))) == 2:
-                break
-            results.append(jax.device_get(score(self.state["meta"], to_global(b, self._outer_sharding))))
-        scores, flags = (np.concatenate(x) for x in zip(*results))
+        scores, _, flags = self._scored()
         return roc_auc(scores, 1 - flags)
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation: validation loss of the learned run (and the baseline), corrupted-vs-clean AUC,
+        and the weights' statistics (mean weight of clean and corrupted examples, effective sample size as a
+        fraction of the batch). The last weights and flags go to `eval_weights.json` for the run report."""
+        tic = time.perf_counter()
+        out = {"step": int(self.state["step"]), "eval_validation_loss": self.validation_loss()}
+        if "base" in self.state:
+            out["eval_baseline_validation_loss"] = self.validation_loss("base")
+        if hasattr(self.task, "scores"):
+            scores, weights, flags = self._scored()
+            both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
+            if both:
+                out["eval_auc"] = roc_auc(scores, 1 - flags)
+            if weights is not None:
+                batch = self.cfg.data.batch
+                per_batch = weights.reshape(-1, batch)  # [batches, batch]
+                p = per_batch / per_batch.sum(-1, keepdims=True)
+                out["eval_weight_ess"] = float(np.mean(1 / (p * p).sum(-1)) / batch)
+                if both:
+                    out["eval_weight_clean"] = float(weights[flags == 0].mean())
+                    out["eval_weight_corrupted"] = float(weights[flags == 1].mean())
+                if self.is_main:
+                    self._write_json("eval_weights.json", {
+                        "step": out["step"], "weights": weights.tolist(),
+                        "corrupted": None if flags is None else flags.astype(int).tolist()})
+        out["eval_seconds"] = time.perf_counter() - tic
+        return out
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> None:
@@ -201,6 +249,8 @@ class Trainer:
         try:
             self.log = MetricsLog(cfg) if self.is_main else None
             summary = {"start_validation_loss": self.validation_loss()}
+            eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+            evaluation, eval_seconds = None, 0.0
             t0 = time.perf_counter()
             for step in range(start_step, cfg.steps):
                 tic = time.perf_counter()
@@ -226,6 +276,11 @@ class Trainer:
                 bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
                                 refresh=False)
                 bar.update(1)
+                if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+                    evaluation = self.evaluate()
+                    eval_seconds += evaluation["eval_seconds"]
+                    if self.log:
+                        self.log.write(evaluation)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self.save()
                 if self._stop_signal:
@@ -241,9 +296,12 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.release()
-        summary.update(end_validation_loss=self.validation_loss(), seconds=time.perf_counter() - t0,
-                       skipped_updates=skipped)
-        if "base" in self.state:
-            summary["baseline_validation_loss"] = self.validation_loss("base")
-        summary["corrupted_auc"] = self.corrupted_auc()
+        if evaluation is None or evaluation["step"] != int(self.state["step"]):  # e.g. resumed at the end
+            evaluation = self.evaluate()
+        summary.update(end_validation_loss=evaluation["eval_validation_loss"], seconds=time.perf_counter() - t0,
+                       skipped_updates=skipped, eval_seconds=eval_seconds)
+        if "eval_baseline_validation_loss" in evaluation:
+            summary["baseline_validation_loss"] = evaluation["eval_baseline_validation_loss"]
+        flagged = hasattr(self.task, "scores") and self.cfg.data.corrupt_fraction > 0
+        summary["corrupted_auc"] = evaluation.get("eval_auc", float("nan") if flagged else None)
         return summary

@@ -1,11 +1,12 @@
-"""NNX Chinchilla transformers and the paper's size ladder."""
+"""NNX transformers (Chinchilla blocks, and the Llama / Qwen2 options), the paper's size ladder, and the shapes of
+public pretrained checkpoints."""
 
 from __future__ import annotations
 
 import jax
 from flax import nnx
 
-from metatrain.models.config import LADDER, SMALL_PRESETS, ModelConfig, param_count, preset
+from metatrain.models.config import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS, ModelConfig, param_count, preset
 from metatrain.models.transformer import Transformer, next_token_loss
 
 
@@ -21,5 +22,5 @@ def abstract_init(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(model)
 
 
-__all__ = ["LADDER", "SMALL_PRESETS", "ModelConfig", "Transformer", "abstract_init", "init", "next_token_loss",
-           "param_count", "preset"]
+__all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "ModelConfig", "Transformer", "abstract_init", "init",
+           "next_token_loss", "param_count", "preset"]

@@ -11,11 +11,15 @@ from metatrain.errors import ConfigError
 
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 HEADS = ("lm", "score")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Chinchilla-style decoder-only transformer (RoPE, pre-norm RMSNorm, GELU MLP).
+    """A decoder-only transformer: Chinchilla blocks by default (RoPE, pre-norm RMSNorm, GELU MLP, tied
+    embeddings); with `mlp="swiglu"`, `n_kv_heads`, `tie_embeddings=False`, `rope_scaling="llama3"` and
+    `qkv_bias` the Llama / Qwen2 blocks of pretrained checkpoints.
 
     `head="lm"` gives next-token logits; `head="score"` gives one scalar per example
     (used by meta models, e.g. per-example loss weights).
@@ -24,12 +28,20 @@ class ModelConfig:
     vocab_size: int = 1024
     d_model: int = 128
     n_heads: int = 4
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means n_heads, 1 is multi-query
     kv_size: int = 0  # per-head size; 0 means d_model // n_heads
     d_ff: int = 512
     n_layers: int = 2
+    mlp: str = "gelu"  # gelu: w_out(gelu(w_in x)) | swiglu: w_out(silu(w_gate x) * w_in x)
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     head: str = "lm"
-    rope_base: float = 10_000.0
+    rope_base: float = 10_000.0  # Hugging Face's rope_theta
+    rope_scaling: str = ""  # "" | llama3 (Llama 3.1+ frequency scaling, with the four rope_* fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm_eps: float = 1e-6
     remat: bool = False  # rematerialise each block in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
@@ -42,6 +54,20 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"model.n_kv_heads must divide model.n_heads={self.n_heads} (0 = n_heads), "
+                              f"got {self.n_kv_heads}")
+        if self.mlp not in MLPS:
+            raise ConfigError(f"model.mlp must be one of {MLPS}, got {self.mlp!r}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = none), "
+                              f"got {self.rope_scaling!r}")
+        if self.rope_scaling and not (self.rope_factor > 0 and 0 < self.rope_low_freq_factor
+                                      < self.rope_high_freq_factor and self.rope_original_max_positions > 0):
+            raise ConfigError("model.rope_*: llama3 scaling needs rope_factor > 0, 0 < rope_low_freq_factor < "
+                              "rope_high_freq_factor and rope_original_max_positions > 0")
+        if not self.rope_base > 0 or not self.norm_eps > 0:
+            raise ConfigError(f"model.rope_base and model.norm_eps must be > 0, got {self.rope_base}, {self.norm_eps}")
         if self.kv_size < 0:
             raise ConfigError(f"model.kv_size must be >= 0 (0 = d_model // n_heads), got {self.kv_size}")
         if self.kv_size == 0 and self.d_model % self.n_heads:
@@ -69,6 +95,10 @@ class ModelConfig:
         return self.kv_size or self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
     def dtype(self):
         return jnp.dtype(self.param_dtype)
 
@@ -82,8 +112,9 @@ class ModelConfig:
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters, counted from the shapes (no allocation)."""
-    d, h, k, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
-    block = 4 * d * h * k + 2 * d * f + 2 * d  # q, k, v, o; MLP in/out; two norms
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
+    attn = 2 * d * h * k + 2 * d * g * k + (cfg.qkv_bias and (h + 2 * g) * k)  # q, o; k, v; biases
+    block = attn + (3 if cfg.mlp == "swiglu" else 2) * d * f + 2 * d  # MLP; two norms
     out = 0 if (cfg.head == "lm" and cfg.tie_embeddings) else d * (cfg.vocab_size if cfg.head == "lm" else 1)
     return cfg.vocab_size * d + cfg.n_layers * block + d + out
 
@@ -117,19 +148,43 @@ LADDER_VOCAB = 32_000  # Chinchilla's SentencePiece vocabulary
 
 SMALL_PRESETS = {  # for tests, check-grads and CPU benchmarks
     "tiny": ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=2),
+    # every Llama/Qwen2 option at once: SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE
+    "tiny-llama": ModelConfig(vocab_size=64, d_model=16, n_heads=4, n_kv_heads=2, d_ff=24, n_layers=2, mlp="swiglu",
+                              tie_embeddings=False, qkv_bias=True, rope_base=500_000.0, rope_scaling="llama3",
+                              rope_factor=4.0, rope_original_max_positions=16, norm_eps=1e-5),
     "small": ModelConfig(vocab_size=1024, d_model=64, n_heads=4, d_ff=256, n_layers=2),
     "bench": ModelConfig(vocab_size=1024, d_model=128, n_heads=4, d_ff=512, n_layers=8),
 }
 
 
+# Shapes of public pretrained checkpoints (their config.json; no weights): for memory planning and compile checks
+_LLAMA = dict(mlp="swiglu", norm_eps=1e-5)
+PRETRAINED_SHAPES = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536, n_layers=30,
+                                rope_base=100_000.0, **_LLAMA),
+    "smollm2-360m": ModelConfig(vocab_size=49152, d_model=960, n_heads=15, n_kv_heads=5, d_ff=2560, n_layers=32,
+                                rope_base=100_000.0, **_LLAMA),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, d_model=896, n_heads=14, n_kv_heads=2, d_ff=4864, n_layers=24,
+                                rope_base=1_000_000.0, qkv_bias=True, mlp="swiglu", norm_eps=1e-6),
+    "llama3.2-1b": ModelConfig(vocab_size=128256, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192, n_layers=16,
+                               rope_base=500_000.0, rope_scaling="llama3", rope_factor=32.0, **_LLAMA),
+    "tinyllama-1.1b": ModelConfig(vocab_size=32000, d_model=2048, n_heads=32, n_kv_heads=4, d_ff=5632, n_layers=22,
+                                  tie_embeddings=False, **_LLAMA),
+}
+
+
 def preset(name: str, **overrides) -> ModelConfig:
-    """A named model: a ladder size (`44m` ... `16b`) or a tiny one (`tiny`, `small`, `bench`)."""
+    """A named model: a ladder size (`44m` ... `16b`), a pretrained checkpoint's shape (`llama3.2-1b`, ...) or a
+    tiny one (`tiny`, `tiny-llama`, `small`, `bench`)."""
     key = name.lower()
-    if key in LADDER:
+    if key in PRETRAINED_SHAPES:
+        base = PRETRAINED_SHAPES[key]
+    elif key in LADDER:
         _, d, f, k, h, n = LADDER[key]
         base = ModelConfig(vocab_size=LADDER_VOCAB, d_model=d, d_ff=f, kv_size=k, n_heads=h, n_layers=n)
     elif key in SMALL_PRESETS:
         base = SMALL_PRESETS[key]
     else:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(SMALL_PRESETS) + list(LADDER)}")
+        raise ConfigError(f"unknown model preset {name!r}; choose one of "
+                          f"{sorted(SMALL_PRESETS) + list(LADDER) + list(PRETRAINED_SHAPES)}")
     return base.replace(**overrides)

@@ -1,7 +1,9 @@
 """Chinchilla transformer in Flax NNX: RoPE, pre-norm blocks stacked along a `layers` axis and
-applied by a `lax.scan`, with optional per-block rematerialisation.
+applied by a `lax.scan`, with optional per-block rematerialisation. The Llama / Qwen2 options
+(SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE scaling) are plain JAX on
+the same path, so forward-mode and forward-over-reverse differentiation work through them too.
 
-Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`, `layers`) that the
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `kv`, `mlp`, `layers`) that the
 Trainer maps onto a device mesh. Only the block stack is scanned: with a Python loop over remat'd
 blocks XLA:CPU schedules the recomputations early and block remat saves almost nothing, while a scan
 with remat on its body bounds activation memory on CPU as on TPU.
@@ -36,10 +38,26 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(y.dtype)).astype(x.dtype)
 
 
-def rope(x, positions, base: float):
-    """Rotary position embedding, rotate-half form. x: [batch, seq, heads, k]; positions: [batch, seq]."""
+def rope_frequencies(cfg: ModelConfig, dtype) -> jax.Array:
+    """RoPE's inverse wavelengths [k/2]: base^(-2i/k), with `rope_scaling="llama3"` divided by `rope_factor` for
+    wavelengths above original_max/low_freq_factor, kept below original_max/high_freq_factor, blended between."""
+    half = cfg.head_dim // 2
+    freq = cfg.rope_base ** (-jnp.arange(half, dtype=dtype) / half)  # [k/2]
+    if cfg.rope_scaling == "llama3":
+        wavelength = 2 * jnp.pi / freq
+        ratio = cfg.rope_original_max_positions / wavelength  # periods that fit in the original context
+        blend = (ratio - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        scaled = (1 - blend) * freq / cfg.rope_factor + blend * freq
+        freq = jnp.where(ratio < cfg.rope_low_freq_factor, freq / cfg.rope_factor,
+                         jnp.where(ratio > cfg.rope_high_freq_factor, freq, scaled))
+    return freq
+
+
+def rope(x, positions, freq):
+    """Rotary position embedding, rotate-half form. x: [batch, seq, heads, k]; positions: [batch, seq];
+    freq: [k/2] from `rope_frequencies`."""
     half = x.shape[-1] // 2
-    freq = base ** (-jnp.arange(half, dtype=compute_dtype(x.dtype)) / half)  # [k/2]
+    freq = freq.astype(compute_dtype(x.dtype))
     angle = positions[..., None].astype(freq.dtype) * freq  # [batch, seq, k/2]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
@@ -118,21 +136,37 @@ def blockwise_attention(q, k, v, segment_ids, block: int):
 
 
 class Attention(nnx.Module):
+    """Multi-head attention; with `n_kv_heads < n_heads` grouped-query (query head i reads key/value head
+    i // (n_heads / n_kv_heads), as in Llama and Qwen2)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, h, k, dt = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.dtype
+        d, h, g, k, dt = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.dtype
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
         self.wq = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
-        self.wk = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
-        self.wv = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
+        self.wk = _param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), dt)
+        self.wv = _param(rngs, init, (d, g, k), ("embed", "kv_heads", "kv"), dt)
+        if cfg.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = _param(rngs, zeros, (h, k), ("heads", "kv"), dt)
+            self.bk = _param(rngs, zeros, (g, k), ("kv_heads", "kv"), dt)
+            self.bv = _param(rngs, zeros, (g, k), ("kv_heads", "kv"), dt)
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
         self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
-        self.rope_base = cfg.rope_base
+        self.cfg = cfg
         self.kind, self.block = cfg.attention, cfg.attention_block
 
+    def _project(self, x, name):  # [batch, seq, d_model] -> [batch, seq, heads, k]
+        y = jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype))
+        return y + getattr(self, "b" + name)[...].astype(x.dtype) if self.cfg.qkv_bias else y
+
     def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
-        q = rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(x.dtype)), positions, self.rope_base)
-        k = rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(x.dtype)), positions, self.rope_base)
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(x.dtype))
+        freq = rope_frequencies(self.cfg, jnp.float32)
+        q = rope(self._project(x, "q"), positions, freq)  # [batch, seq, heads, k]
+        k = rope(self._project(x, "k"), positions, freq)  # [batch, seq, kv_heads, k]
+        v = self._project(x, "v")
+        groups = self.cfg.n_heads // self.cfg.kv_heads
+        if groups > 1:  # each key/value head serves `groups` consecutive query heads
+            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         if self.kind == "blockwise":
             out = blockwise_attention(q, k, v, segment_ids, self.block)
         else:
@@ -141,13 +175,24 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """GELU: w_out(gelu(w_in x)). SwiGLU: w_out(silu(w_gate x) * w_in x) (Hugging Face's up_proj = w_in,
+    gate_proj = w_gate, down_proj = w_out)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
         self.w_in = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
+        if cfg.mlp == "swiglu":
+            self.w_gate = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
         self.w_out = _param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.dtype)
+        self.kind = cfg.mlp
 
     def __call__(self, x):  # [batch, seq, d_model]
-        return jax.nn.gelu(x @ self.w_in[...].astype(x.dtype)) @ self.w_out[...].astype(x.dtype)
+        h = x @ self.w_in[...].astype(x.dtype)  # [batch, seq, d_ff]
+        if self.kind == "swiglu":
+            h = jax.nn.silu(x @ self.w_gate[...].astype(x.dtype)) * h
+        else:
+            h = jax.nn.gelu(h)
+        return h @ self.w_out[...].astype(x.dtype)
 
 
 class Block(nnx.Module):

@@ -32,8 +32,9 @@ import pytest  # noqa: E402
 from helpers import TESTS, TINY  # noqa: E402
 
 FAKES = os.path.join(TESTS, "fakes")
-# the shared run: TINY with a uniform baseline, 4 steps, checkpoints at 2 and 4, logging to a W&B stand-in
-SHARED_RUN = [*TINY, "baseline=uniform", "steps=4", "checkpoint_every=2", "log.wandb=true"]
+# the shared run: TINY with a uniform baseline, 4 steps, checkpoints and evaluations at 2 and 4,
+# logging to a W&B stand-in
+SHARED_RUN = [*TINY, "baseline=uniform", "steps=4", "checkpoint_every=2", "eval_every=2", "log.wandb=true"]
 
 
 def pytest_collection_modifyitems(items):

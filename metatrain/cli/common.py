@@ -8,7 +8,7 @@ import sys
 
 from tqdm import tqdm
 
-from metatrain.models import LADDER, SMALL_PRESETS
+from metatrain.models import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS
 from metatrain.tasks import BUILTIN
 from metatrain.unroll import INNER_CHECKPOINTS
 
@@ -53,8 +53,9 @@ def add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch
                      model_flags: bool = True) -> None:
     p.add_argument("--task", default="maml", help=TASK_HELP)
     if model_flags:
-        p.add_argument("--model", default=model, help=f"a preset: {', '.join(SMALL_PRESETS)}, or a ladder size "
-                                                      f"({', '.join(LADDER)})")
+        p.add_argument("--model", default=model, help=f"a preset: {', '.join(SMALL_PRESETS)}, a ladder size "
+                                                      f"({', '.join(LADDER)}), or a pretrained model's shape "
+                                                      f"({', '.join(PRETRAINED_SHAPES)})")
         for field, flag in MODEL_FLAGS.items():
             p.add_argument(flag, dest=field, type=positive_int, default=None, help=f"override the preset's {field}")
     add_model_option_args(p)

@@ -1,10 +1,11 @@
-"""`metatrain train | pretrain | export | plot`: runs and what comes out of them."""
+"""`metatrain train | pretrain | export | import | plot`: runs, and models in and out of them."""
 
 from __future__ import annotations
 
 import argparse
 
 from metatrain.config import CONFIG_DIR
+from metatrain.export import FORMATS, WHATS
 
 
 def cmd_train(args) -> int:
@@ -12,7 +13,7 @@ def cmd_train(args) -> int:
     from metatrain import config as config_lib
     from metatrain import distributed, tracking
     from metatrain import workdir as workdir_lib
-    from metatrain.plot import plot_run
+    from metatrain.plot import plot_runs
 
     joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
     preset, overrides = None, list(args.overrides)
@@ -47,9 +48,12 @@ def cmd_train(args) -> int:
     summary = trainer.train()
     if trainer.is_main:
         log_dir = workdir_lib.log_dir(cfg.workdir)
-        print(f"plot: {plot_run(log_dir)}")
+        plot = plot_runs([log_dir])
         tracking.copy_logs(log_dir, cfg.workdir)
-        print(f"time: {summary['seconds']:.0f} s, skipped updates: {summary['skipped_updates']}")
+        seconds = summary["seconds"]
+        print(f"evaluation: {summary['eval_seconds']:.1f} s ({100 * summary['eval_seconds'] / max(seconds, 1e-9):.1f}% "
+              f"of the run's time)")
+        print(f"time: {seconds:.0f} s, skipped updates: {summary['skipped_updates']}")
         auc = summary.get("corrupted_auc")
         if auc is not None:
             print(f"corrupted-example AUC: {auc:.3f}" if auc == auc else
@@ -57,20 +61,32 @@ def cmd_train(args) -> int:
         if "baseline_validation_loss" in summary:
             print(f"baseline validation loss: {summary['baseline_validation_loss']:.4f}")
         print(f"validation loss: {summary['start_validation_loss']:.4f} -> {summary['end_validation_loss']:.4f}")
+        print(f"plot: {plot}")
     return 0
 
 
 def cmd_export(args) -> int:
     from metatrain.export import export
 
-    print(f"wrote {export(args.workdir, args.out)}")
+    out, what = export(args.src, args.out, args.what, args.format)
+    print(f"wrote {out}: {what}")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from metatrain.export import import_hf
+    from metatrain.models import param_count
+
+    out, cfg = import_hf(args.dir, args.out)
+    print(f"wrote {out}: {param_count(cfg):,} parameters ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab "
+          f"{cfg.vocab_size}); train from it with inner.init_from={out}")
     return 0
 
 
 def cmd_plot(args) -> int:
-    from metatrain.plot import plot_run
+    from metatrain.plot import plot_runs
 
-    print(f"wrote {plot_run(args.workdir, args.out)}")
+    print(f"wrote {plot_runs(args.workdirs, args.out)}")
     return 0
 
 
@@ -97,11 +113,25 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("export", help="a run's meta-parameters alone (pretrain runs: the parameters)")
-    p.add_argument("workdir")
-    p.add_argument("--out", default=None, help="output dir (default WORKDIR/export)")
+    p = sub.add_parser("export", help="a run's (or an export/import dir's) parameters, as an export dir or a "
+                                      "Hugging Face model dir")
+    p.add_argument("src", help="a run's work dir, or an export / import dir")
+    p.add_argument("--what", choices=WHATS, default=None,
+                   help="inner: the fine-tuned model; meta: η; baseline: the uniform baseline's model "
+                        "(default: inner for --format hf, meta for orbax; a pretrain run's model either way)")
+    p.add_argument("--format", choices=FORMATS, default="orbax",
+                   help="orbax: an export dir for inner.init_from; hf: config.json + model.safetensors (+ tokenizer "
+                        "files) that transformers loads")
+    p.add_argument("--out", default=None, help="output dir (default SRC/export or SRC/hf)")
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("plot", help="PNG of a run's curves")
-    p.add_argument("workdir")
-    p.add_argument("--out", default=None)
+    p = sub.add_parser("import", help="bring a pretrained model in")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")
+    q = kinds.add_parser("hf", help="a local Hugging Face model dir (llama, qwen2) -> an export dir for "
+                                    "inner.init_from (inner.init_from=hf:DIR does it in one step)")
+    q.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer files")
+    q.add_argument("--out", required=True, help="the export dir to write")
+    q.set_defaults(fn=cmd_import_hf)
+    p = sub.add_parser("plot", help="the run report (PNG): held-out loss learned vs baseline, AUC, weights, losses")
+    p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="one or more work dirs, overlaid by name")
+    p.add_argument("--out", default=None, help="default: WORKDIR/curves.png of the first")
     p.set_defaults(fn=cmd_plot)

@@ -16,19 +16,23 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
 # Between them the check-grads tests here and in test_tasks.py run each mode with and without block remat and
 # saved gradients, on some task (the CLI runs in docs/benchmarks.md cover all 12 variants on each task); plain
 # reverse-over-reverse is always the reference. float64 stays inside the check.
-@pytest.mark.parametrize("task, names", [
-    ("learned_lr", "default+remat,mixflow+save,revfwd+remat"),
-    ("loss_weighting", "mixflow+remat+save,revfwd+save"),
+@pytest.mark.parametrize("task, names, model", [
+    ("learned_lr", "default+remat,mixflow+save,revfwd+remat", "tiny"),
+    ("loss_weighting", "mixflow+remat+save,revfwd+save", "tiny"),
+    # SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE (all 12 variants per task: docs)
+    ("maml", "mixflow+remat+save,revfwd+remat", "tiny-llama"),
 ])
-def test_builtin_tasks(task, names):
+@pytest.mark.slow
+def test_builtin_tasks(task, names, model):
     only = [parse_variant(n) for n in names.split(",")]
-    results = checkgrads.check_grads(task, models.preset("tiny"), SHAPES, only=only)
+    results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only)
     assert not jax.config.jax_enable_x64
     assert [r.variant for r in results] == ["default", *names.split(",")]
     for r in results:
         assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6 and r.ok, r
 
 
+@pytest.mark.slow
 def test_cli_maml_blockwise_sqrt_writes_json_and_exits_zero(tmp_path, capsys):
     """MAML with blockwise attention (3 blocks over S=8, the last padded), the sqrt schedule over T=3 (segments of
     2 and 1 steps), against plain reverse-over-reverse with dense attention keeping every step, and finite

@@ -8,6 +8,7 @@ by much more (sums that nearly cancel), so for the meta-gradient we ask for its 
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.flatten_util import ravel_pytree
 
 from metatrain import models
@@ -29,6 +30,7 @@ def _run(compute_dtype):
     return value, aux.inner, grad
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_close_to_float32():
     v32, (theta32, _), g32 = _run("float32")
     v16, (theta16, opt16), g16 = _run("bfloat16")

@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from helpers import TINY, leaves, one_line_error, saved_state
 
 from metatrain import cli
@@ -20,10 +21,12 @@ def _run(capsys, *argv):
 
 def _validation(out):
     """(start, end) from the closing `validation loss: a -> b` line."""
-    start, end = out.strip().splitlines()[-1].split(": ")[1].split(" -> ")
+    line = next(l for l in reversed(out.splitlines()) if l.startswith("validation loss: "))
+    start, end = line.split(": ")[1].split(" -> ")
     return float(start), float(end)
 
 
+@pytest.mark.slow
 def test_pretrain_then_meta_train_from_it_then_export(tmp_path, capsys):
     base = tmp_path / "base"
     out = _run(capsys, "pretrain", *TINY, f"workdir={base}", "steps=3", "data.corrupt_fraction=0")

@@ -123,6 +123,7 @@ def _data_files(workdir, step):
     return sorted((p for p in root.rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_newest_intact_one_used(shared_run, tmp_path, capsys):
     workdir = _copy(shared_run, tmp_path)
     biggest = _data_files(workdir, 4)[-1]

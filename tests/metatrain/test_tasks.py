@@ -67,6 +67,7 @@ def _setup(task):
     return meta, inner, step.random_batches(SHAPES, CFG.vocab_size, jax.random.key(2))[1]
 
 
+@pytest.mark.slow
 def test_custom_task_by_import_path_passes_check_grads():
     task = make_task(f"{__name__}:LearnedWeightDecay", model=CFG)
     assert isinstance(task, LearnedWeightDecay) and not task.resets_inner

@@ -8,6 +8,7 @@ import struct
 
 import jax
 import numpy as np
+import pytest
 from helpers import TINY, saved_state
 
 from metatrain import cli
@@ -63,6 +64,32 @@ def test_closing_lines_match_an_independent_evaluation(shared_run):
     assert abs(start - np.log(model.vocab_size)) < 0.5  # a fresh model: about uniform next-token guesses
 
 
+def test_evaluation_rows_match_an_independent_evaluation(shared_run):
+    """The step-4 evaluation row: the closing lines' figures, and weight statistics recomputed from the state."""
+    lines = _lines(shared_run["stdout"])
+    workdir = shared_run["workdir"]
+    row = [json.loads(x) for x in open(workdir / "metrics.jsonl") if "eval_" in x][-1]
+    assert row["step"] == 4 and f"{row['eval_auc']:.3f}" == lines["corrupted-example AUC"]
+    assert f"{row['eval_validation_loss']:.4f}" == lines["validation loss"].split(" -> ")[1]
+    assert f"{row['eval_baseline_validation_loss']:.4f}" == lines["baseline validation loss"]
+    cfg = config_lib.load(os.path.join(workdir, "config.yaml"))
+    streams = Streams(cfg.data)
+    task = make_task(cfg.task, model=cfg.model.replace(vocab_size=streams.tokenizer.vocab_size), inner_lr=cfg.inner_lr)
+    meta = saved_state(workdir, 4)["meta"]
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    batches = [to_global(b, device) for b in streams.test_batches(8, cfg.data.corrupt_fraction, seed=777)]
+    weights = np.stack([np.asarray(task.weights(meta, b)) for b in batches])  # [8, batch]
+    flags = np.stack([np.asarray(b["corrupted"]) for b in batches]).astype(bool)
+    ess = np.mean(weights.sum(1) ** 2 / (weights ** 2).sum(1)) / weights.shape[1]
+    assert abs(row["eval_weight_ess"] - ess) < 1e-5 and 0 < ess <= 1
+    assert abs(row["eval_weight_clean"] - weights[~flags].mean()) < 1e-5
+    assert abs(row["eval_weight_corrupted"] - weights[flags].mean()) < 1e-5
+    saved = json.loads((workdir / "eval_weights.json").read_text())
+    np.testing.assert_allclose(saved["weights"], weights.ravel(), rtol=1e-5)
+    assert saved["corrupted"] == flags.ravel().astype(int).tolist()
+    assert float(lines["evaluation"].split(" s ")[0]) > 0 and lines["plot"].endswith("curves.png")
+
+
 def _tensorboard_scalars(logdir):
     """{tag: [(step, value)]} read from the TFRecord-framed Event protos tensorboardX wrote."""
     from tensorboardX.proto import event_pb2
@@ -83,7 +110,9 @@ def _tensorboard_scalars(logdir):
 def test_metrics_reach_jsonl_tensorboard_and_wandb_alike(shared_run):
     workdir = shared_run["workdir"]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    rows, evals = [r for r in rows if "outer_loss" in r], [r for r in rows if "eval_validation_loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(r["meta_grad_norm"]) for r in rows)
+    assert [r["step"] for r in evals] == [2, 4]  # eval_every=2
     scalars = _tensorboard_scalars(workdir / "tensorboard")
     for key in ("outer_loss", "baseline_outer_loss", "meta_grad_norm"):
         assert scalars[key] == [(r["step"], np.float32(r[key])) for r in rows]
@@ -91,7 +120,7 @@ def test_metrics_reach_jsonl_tensorboard_and_wandb_alike(shared_run):
     init = calls[0]
     assert init["call"] == "init" and init["resume"] == "allow" and init["name"] == "run"
     assert init["id"] == (workdir / "wandb_id").read_text().strip() and "model.d_model" in init["config_keys"]
-    logged = [c for c in calls if c["call"] == "log"]
+    logged = [c for c in calls if c["call"] == "log" and "outer_loss" in c["data"]]
     assert [(c["step"], c["data"]["outer_loss"]) for c in logged] == [(r["step"], r["outer_loss"]) for r in rows]
     assert calls[-1]["call"] == "finish"
     assert (workdir / "curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -117,6 +146,7 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     assert json.loads((tmp_path / "other.json").read_text())["temp_bytes"] != trainer["temp_bytes"]
 
 
+@pytest.mark.slow
 def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
     """mode=auto and inner_checkpoint=auto: six candidates, each figure that of the program `compile` makes for
     it, and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""

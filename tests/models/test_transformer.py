@@ -6,7 +6,7 @@ from flax import nnx
 
 from metatrain import models
 from metatrain.errors import ConfigError
-from metatrain.models.transformer import attention_mask, dense_attention, rope
+from metatrain.models.transformer import attention_mask, dense_attention, rope, rope_frequencies
 
 
 def test_rope_matches_complex_rotation():
@@ -15,7 +15,8 @@ def test_rope_matches_complex_rotation():
     b, s, h, k = 2, 5, 3, 8
     x = rng.normal(size=(b, s, h, k))
     pos = rng.integers(0, 100, size=(b, s))
-    got = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 10_000.0))
+    freq = rope_frequencies(models.ModelConfig(d_model=h * k, n_heads=h, rope_base=10_000.0), jnp.float32)
+    got = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), freq))
     half = k // 2
     z = x[..., :half] + 1j * x[..., half:]
     theta = pos[:, :, None, None] * 10_000.0 ** (-np.arange(half) / half)
@@ -27,9 +28,43 @@ def test_rope_relative():
     """q·k after RoPE depends only on the position difference."""
     rng = np.random.default_rng(1)
     q, k = rng.normal(size=(2, 1, 1, 1, 16))
-    rotated = lambda x, i: rope(jnp.asarray(x), jnp.array([[i]]), 1e4)
+    freq = rope_frequencies(models.ModelConfig(d_model=16, n_heads=1), jnp.float32)
+    rotated = lambda x, i: rope(jnp.asarray(x), jnp.array([[i]]), freq)
     dot = lambda i, j: float((rotated(q, i) * rotated(k, j)).sum())
     assert dot(3, 1) == pytest.approx(dot(10, 8), rel=1e-4)
+
+
+def test_llama3_rope_scaling_bands():
+    """llama3 scaling: wavelengths longer than original_max / low_freq_factor slowed by `factor`, shorter than
+    original_max / high_freq_factor kept, the band between blended linearly in original_max / wavelength."""
+    cfg = models.ModelConfig(d_model=64, n_heads=1, rope_base=500_000.0, rope_scaling="llama3", rope_factor=8.0,
+                             rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=64)
+    base = np.asarray(rope_frequencies(cfg.replace(rope_scaling=""), jnp.float64 if jax.config.x64_enabled
+                                       else jnp.float32))
+    got = np.asarray(rope_frequencies(cfg, base.dtype))
+    ratio = 64 / (2 * np.pi / base)
+    low, high = ratio < 1, ratio > 4
+    mid = ~low & ~high
+    assert low.any() and high.any() and mid.any()  # the test reaches all three bands
+    np.testing.assert_allclose(got[low], base[low] / 8, rtol=1e-6)
+    np.testing.assert_allclose(got[high], base[high], rtol=1e-6)
+    t = (ratio[mid] - 1) / 3
+    np.testing.assert_allclose(got[mid], (1 - t) * base[mid] / 8 + t * base[mid], rtol=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_heads():
+    """n_kv_heads=2 of 4: the same model as full multi-head attention whose k/v heads are the kv heads repeated."""
+    cfg = models.preset("tiny-llama")
+    graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    full_graphdef, full_state = nnx.split(models.Transformer(cfg.replace(n_kv_heads=0), rngs=nnx.Rngs(params=1)))
+    weights = nnx.to_pure_dict(state)
+    attn = dict(weights["blocks"]["attn"])
+    for name in ("wk", "wv", "bk", "bv"):  # [layers, (d_model,) kv_heads, k]: repeat along the heads axis
+        attn[name] = jnp.repeat(attn[name], 2, axis=attn[name].ndim - 2)
+    nnx.replace_by_pure_dict(full_state, {**weights, "blocks": {**weights["blocks"], "attn": attn}})
+    gqa, full = nnx.merge(graphdef, state), nnx.merge(full_graphdef, full_state)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+    np.testing.assert_allclose(gqa(tokens), full(tokens), atol=1e-5)  # float32 rounding; a wrong head map is O(1)
 
 
 def _reference_attention(q, k, v, seg):
@@ -115,7 +150,17 @@ def test_ladder_parameter_counts(name):
     assert abs(models.param_count(cfg) / 1e6 - millions) / millions <= 0.10
 
 
-@pytest.mark.parametrize("name", ["44m", "489m", "tiny"])
+# published sizes (the checkpoints' model cards / safetensors headers), to the parameter
+PUBLISHED = {"smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "qwen2.5-0.5b": 494_032_768,
+             "llama3.2-1b": 1_235_814_400, "tinyllama-1.1b": 1_100_048_384}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_pretrained_shapes_have_the_published_sizes(name):
+    assert models.param_count(models.preset(name)) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", ["44m", "489m", "tiny", "tiny-llama", "llama3.2-1b", "qwen2.5-0.5b"])
 def test_param_count_matches_model(name):
     cfg = models.preset(name)
     _, abstract = models.abstract_init(cfg)

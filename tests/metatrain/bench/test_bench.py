@@ -13,6 +13,7 @@ from metatrain.errors import ConfigError
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
 
 
+@pytest.mark.slow
 def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     """The rows say what ran: every variant's state went through warm-up + rounds outer steps, and its
     compiled program is the one `bench memory` compiles for that variant (so the two variants differ)."""

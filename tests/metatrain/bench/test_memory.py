@@ -24,6 +24,7 @@ def _sequence_bytes(t, b, s):
     return 4 * 3 * (s + 1) * (t * b + b)
 
 
+@pytest.mark.slow
 def test_rows_add_up_and_ratio_grows_with_layers():
     configs = [run_config("maml", SMALL.replace(n_layers=n), S, B, T) for n in (1, 4)]
     rows = memory.run(configs, VARIANTS)
@@ -85,6 +86,7 @@ def test_cli_bad_variant(capsys):
     assert "unknown option(s) ['fast']" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tasks_grid_with_plot(tmp_path):
     out, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
     assert cli.main(["bench", "memory", "--grid", "tasks", "--tasks", "maml,learned_lr", *TINY_FLAGS,

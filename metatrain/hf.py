@@ -1,0 +1,238 @@
+"""Hugging Face checkpoints in and out: local `llama` / `qwen2` model dirs <-> metatrain models.
+
+`load(DIR)` gives an NNX model; `read(DIR)` its config and parameters (stacked over layers, read tensor by
+tensor with `safetensors`, so a checkpoint never needs twice its size in memory); `write(OUT, cfg, params)`
+writes `config.json` + `model.safetensors` that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+No transformers or torch here: only `safetensors` and numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from metatrain.errors import ConfigError, DataError
+from metatrain.models import ModelConfig
+
+MODEL_TYPES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "llama3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# the architecture keys `config_to_hf` writes; the others of an imported config.json (token ids, context) are kept
+_ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+              "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_parameters", "rope_scaling", "rope_theta",
+              "dtype", "torch_dtype", "use_sliding_window", "layer_types")
+
+
+# ---- configuration ---------------------------------------------------------------------------------------
+def read_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Llama or Qwen2 `config.json`; refuses options metatrain does not implement."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {kind!r} is not supported; metatrain imports {MODEL_TYPES}")
+    refuse = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
+              "attention_bias": kind == "llama" and hf.get("attention_bias", False),
+              "mlp_bias": hf.get("mlp_bias", False),
+              "use_sliding_window": hf.get("use_sliding_window", False)}
+    for key, bad in refuse.items():
+        if bad:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (metatrain implements SwiGLU with silu, "
+                              f"q/k/v biases as in Qwen2, full attention)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{where}: RoPE scaling {rope_type!r} is not implemented; metatrain has {ROPE_TYPES}")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    heads = hf["num_attention_heads"]
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, kv_size=hf.get("head_dim") or 0,
+        d_ff=hf["intermediate_size"], n_layers=hf["num_hidden_layers"], mlp="swiglu",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
+        rope_base=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **scaling)
+
+
+def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
+    """A transformers `config.json` for `cfg` (Llama, or Qwen2 when it has q/k/v biases); `base`'s other keys
+    (token ids, context length) are kept. Refuses models transformers has no class for."""
+    why = ("a GELU MLP (Chinchilla blocks)" if cfg.mlp != "swiglu" else
+           "a score head" if cfg.head != "lm" else
+           "q/k/v biases with a per-head size other than d_model / n_heads" if cfg.qkv_bias and cfg.kv_size
+           and cfg.kv_size != cfg.d_model // cfg.n_heads else "")
+    if why:
+        raise ConfigError(f"export --format hf: transformers has no Llama or Qwen2 class for {why}; "
+                          f"use --format orbax")
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling == "llama3":
+        rope.update(factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_positions)
+    out = {k: v for k, v in (base or {}).items() if k not in _ARCH_KEYS}
+    out.update(architectures=["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"], model_type=kind,
+               vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+               hidden_act="silu", rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+               rope_parameters=rope, dtype=cfg.param_dtype)
+    if kind == "llama":
+        out.update(head_dim=cfg.head_dim, attention_bias=False, mlp_bias=False)
+    return out
+
+
+# ---- tensors ---------------------------------------------------------------------------------------------
+def _layer_tensors(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, object, object]]:
+    """(our path under `blocks`, HF name under `model.layers.{i}.`, HF -> ours, ours -> HF) for one layer."""
+    d, k = cfg.d_model, cfg.head_dim
+    same = lambda w: w
+
+    def heads(n):  # [n*k, d] <-> [d, n, k]
+        return (lambda w: w.reshape(n, k, d).transpose(2, 0, 1), lambda w: w.transpose(1, 2, 0).reshape(n * k, d))
+
+    def bias(n):  # [n*k] <-> [n, k]
+        return lambda w: w.reshape(n, k), lambda w: w.reshape(n * k)
+
+    h, g = cfg.n_heads, cfg.kv_heads
+    out = [(("attn_norm", "scale"), "input_layernorm.weight", same, same),
+           (("attn", "wq"), "self_attn.q_proj.weight", *heads(h)),
+           (("attn", "wk"), "self_attn.k_proj.weight", *heads(g)),
+           (("attn", "wv"), "self_attn.v_proj.weight", *heads(g)),
+           (("attn", "wo"), "self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d),
+            lambda w: w.reshape(h * k, d).T),
+           (("mlp_norm", "scale"), "post_attention_layernorm.weight", same, same),
+           (("mlp", "w_in"), "mlp.up_proj.weight", np.transpose, np.transpose),
+           (("mlp", "w_gate"), "mlp.gate_proj.weight", np.transpose, np.transpose),
+           (("mlp", "w_out"), "mlp.down_proj.weight", np.transpose, np.transpose)]
+    if cfg.qkv_bias:
+        out += [(("attn", "bq"), "self_attn.q_proj.bias", *bias(h)),
+                (("attn", "bk"), "self_attn.k_proj.bias", *bias(g)),
+                (("attn", "bv"), "self_attn.v_proj.bias", *bias(g))]
+    return out
+
+
+class _Tensors:
+    """Lazy access to the tensors of `model.safetensors` or a sharded `model.safetensors.index.json`."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        index = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.where = {name: os.path.join(directory, file) for name, file in json.load(f)["weight_map"].items()}
+        elif os.path.isfile(single):
+            with safe_open(single, "numpy") as f:
+                self.where = dict.fromkeys(f.keys(), single)
+        else:
+            raise DataError(f"{directory}: no model.safetensors or model.safetensors.index.json (metatrain reads "
+                            f"safetensors checkpoints; convert .bin files with transformers' save_pretrained)")
+        self._open = safe_open
+        self._files = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.where:
+            raise DataError(f"tensor {name!r} is missing from the checkpoint")
+        file = self.where[name]
+        if file not in self._files:
+            if not os.path.isfile(file):
+                raise DataError(f"{file} (named in model.safetensors.index.json) not found")
+            self._files[file] = self._open(file, "numpy")
+        tensor = self._files[file].get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise DataError(f"tensor {name!r} in {os.path.basename(file)} has shape {list(tensor.shape)}, config.json "
+                            f"implies {list(shape)}")
+        return tensor
+
+
+def read(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, pure-dict parameters of `Transformer(cfg)`) of a local Hugging Face model dir."""
+    from metatrain import models
+
+    hf = read_config(directory)
+    cfg = config_from_hf(hf, os.path.join(directory, "config.json")).replace(param_dtype=dtype)
+    tensors = _Tensors(directory)
+    from flax import nnx
+
+    shapes = nnx.to_pure_dict(models.abstract_init(cfg)[1])
+    np_dtype = np.dtype(cfg.dtype)
+    get = lambda name, shape: tensors.get(name, shape).astype(np_dtype)
+    params = {"embed": get("model.embed_tokens.weight", shapes["embed"].shape),
+              "final_norm": {"scale": get("model.norm.weight", shapes["final_norm"]["scale"].shape)}, "blocks": {}}
+    if not cfg.tie_embeddings:
+        params["out"] = get("lm_head.weight", shapes["out"].shape[::-1]).T
+    for path, name, to_ours, to_hf in _layer_tensors(cfg):
+        shape = shapes["blocks"][path[0]][path[1]].shape  # [layers, ...]
+        stacked = np.empty(shape, np_dtype)
+        for i in range(cfg.n_layers):
+            stacked[i] = to_ours(get(f"model.layers.{i}.{name}", to_hf(np.empty(shape[1:], np.int8)).shape))
+        params["blocks"].setdefault(path[0], {})[path[1]] = stacked
+    return cfg, params
+
+
+def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Our pure-dict parameters as Hugging Face tensors by name."""
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = params["out"].T
+    for path, name, _, to_hf in _layer_tensors(cfg):
+        stacked = params["blocks"][path[0]][path[1]]
+        for i in range(cfg.n_layers):
+            out[f"model.layers.{i}.{name}"] = to_hf(stacked[i])
+    return {name: np.ascontiguousarray(np.asarray(x)) for name, x in out.items()}
+
+
+def write(out: str, cfg: ModelConfig, params: dict, base_config: dict | None = None,
+          tokenizer_dir: str | None = None) -> list[str]:
+    """`config.json` + `model.safetensors` (+ the tokenizer files of `tokenizer_dir`); returns the files written."""
+    from safetensors.numpy import save_file
+
+    hf = config_to_hf(cfg, base_config)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    save_file(to_tensors(cfg, params), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return ["config.json", "model.safetensors", *copy_tokenizer(tokenizer_dir, out)]
+
+
+def copy_tokenizer(source: str | None, out: str) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES if source else ():
+        if os.path.isfile(os.path.join(source, name)) and os.path.abspath(source) != os.path.abspath(out):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def load(directory: str, dtype: str = "float32"):
+    """The NNX model of a local Hugging Face model dir: `model(tokens)` with int tokens [batch, seq] gives
+    logits [batch, seq, vocab] (in `dtype`, float32 by default)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from metatrain import models
+
+    cfg, params = read(directory, dtype)
+    graphdef, state = models.abstract_init(cfg)
+    nnx.replace_by_pure_dict(state, _tree_map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
+def _tree_map(fn, tree):
+    return {k: _tree_map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)

@@ -1,0 +1,174 @@
+"""Hugging Face checkpoints in and out, against transformers itself (the `hf` test extra: transformers + CPU torch).
+
+The checkpoints are made here with transformers: tiny, random (with noise added to every weight, biases too, so a
+wrongly mapped tensor shows), each with its own small byte-level BPE `tokenizer.json`.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from helpers import one_line_error
+
+from metatrain import cli, hf
+
+torch = pytest.importorskip("torch", reason="the hf test extra (pip install -e '.[hf]') is not installed")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320  # the model's vocabulary: larger than the tokenizer's 300, as in real checkpoints
+TEXT = [f"document {i}: the {w} quick brown fox jumps over the lazy dog, {i * 7 % 13} times; résumé"
+        for i, w in enumerate(["red", "green", "blue", "small", "large", "old", "new"] * 20)]
+CHECKPOINTS = {
+    "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500_000.0,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 16})),
+    "llama-tied-mha": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen2-bias-gqa": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0)),
+}
+
+
+def _tokenizer(directory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(directory)
+    return tok.token_to_id("<|endoftext|>")
+
+
+def _make(directory, kind, options, seed):
+    eos = _tokenizer(directory)
+    common = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                  vocab_size=VOCAB, eos_token_id=eos, bos_token_id=eos, rms_norm_eps=1e-5)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **options))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, **options))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: (dir, tokens [2, 48], transformers' logits)}."""
+    root = tmp_path_factory.mktemp("hf")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
+    out = {}
+    for seed, (name, (kind, options)) in enumerate(CHECKPOINTS.items()):
+        model = _make(str(root / name), kind, options, seed)
+        out[name] = (root / name, tokens, _logits(model, tokens))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_logits_match_transformers(checkpoints, name):
+    directory, tokens, expected = checkpoints[name]
+    logits = np.asarray(hf.load(str(directory))(tokens))  # [2, 48, vocab]
+    assert logits.shape == expected.shape == (2, 48, VOCAB)
+    assert expected.std() > 0.2  # the noise makes every weight count (default init: ~0.02)
+    assert np.abs(logits - expected).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-gqa"])
+def test_import_then_export_loads_in_transformers(checkpoints, name, tmp_path, capsys):
+    directory, tokens, expected = checkpoints[name]
+    assert cli.main(["import", "hf", str(directory), "--out", str(tmp_path / "a")]) == 0
+    assert "parameters" in capsys.readouterr().out
+    assert cli.main(["export", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "b")]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "b"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"))
+    assert type(model).__name__ == ("Qwen2ForCausalLM" if name.startswith("qwen2") else "LlamaForCausalLM")
+    assert np.abs(_logits(model, tokens) - expected).max() <= 1e-5
+
+
+def test_sharded_checkpoint_reads_the_same(checkpoints, tmp_path):
+    directory, tokens, expected = checkpoints["llama-gqa-untied"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    model.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert np.abs(np.asarray(hf.load(str(tmp_path))(tokens)) - expected).max() <= 1e-4
+
+
+def test_hf_tokenizer_matches_transformers(checkpoints):
+    from metatrain.data.tokenizer import load_tokenizer
+
+    directory = checkpoints["llama-tied-mha"][0]
+    ours = load_tokenizer(f"hf:{directory}")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
+    text = "the quick brown fox, résumé 42 times"
+    ids = ours.encode(text)
+    assert list(ids[:-1]) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ids[-1] == ours.eot == theirs.eos_token_id  # documents end with the model's EOS
+    assert ours.vocab_size == VOCAB  # the model's vocabulary, not the tokenizer's 300
+    assert ours.decode(ids[:-1]) == text
+
+
+def _broken(checkpoints, tmp_path, edit=None, drop=None):
+    directory = tmp_path / "broken"
+    shutil.copytree(checkpoints["llama-gqa-untied"][0], directory)
+    if edit:
+        config = json.loads((directory / "config.json").read_text())
+        edit(config)
+        (directory / "config.json").write_text(json.dumps(config))
+    if drop:
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(directory / "model.safetensors")
+        del tensors[drop]
+        save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("edit,drop,needles", [
+    (lambda c: c.update(model_type="mistral"), None, ["config.json", "model_type 'mistral'"]),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), None, ["config.json", "'yarn' is not implemented"]),
+    (lambda c: c.update(hidden_act="gelu"), None, ["config.json", "hidden_act='gelu'"]),
+    (lambda c: c.update(intermediate_size=128), None, ["model.layers.0.mlp.up_proj.weight", "[160, 64]"]),
+    (None, "model.layers.2.self_attn.k_proj.weight", ["model.layers.2.self_attn.k_proj.weight", "missing"]),
+])
+def test_bad_checkpoints_give_one_line(checkpoints, tmp_path, capsys, edit, drop, needles):
+    directory = _broken(checkpoints, tmp_path, edit, drop)
+    assert cli.main(["import", "hf", str(directory), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys.readouterr().err, *needles)
+
+
+def test_missing_dir_and_chinchilla_export_give_one_line(shared_run, tmp_path, capsys):
+    assert cli.main(["import", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys.readouterr().err, "config.json not found")
+    assert cli.main(["export", str(shared_run["workdir"]), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
+    one_line_error(capsys.readouterr().err, "GELU MLP", "--format orbax")
+
+
+@pytest.mark.slow
+def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
+    """inner.init_from=hf:DIR: model and tokenizer follow the checkpoint; the fine-tuned θ and the baseline's θ come
+    out as Hugging Face dirs that transformers loads, each moved away from the start."""
+    directory, tokens, expected = checkpoints["qwen2-bias-gqa"]
+    run = tmp_path / "run"
+    args = ["train", f"inner.init_from=hf:{directory}", "steps=2", "data.seq_len=16", "data.batch=4",
+            "data.shuffle_window=256", "eval_batches=1", "log_every=1", "inner_lr=0.01", "baseline=uniform",
+            f"workdir={run}"]
+    assert cli.main(args) == 0, capsys.readouterr().err[-2000:]
+    assert f"hf:{directory}" in (run / "config.yaml").read_text()  # the tokenizer followed the checkpoint
+    for what in ("inner", "baseline"):
+        out = tmp_path / what
+        assert cli.main(["export", str(run), "--what", what, "--format", "hf", "--out", str(out)]) == 0
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+        moved = np.abs(_logits(model, tokens) - expected).max()
+        assert np.isfinite(moved) and moved > 1e-3, (what, moved)
+    assert (tmp_path / "inner" / "tokenizer.json").exists()

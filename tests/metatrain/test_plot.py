@@ -1,0 +1,39 @@
+"""`metatrain plot`: the run report of one or several work dirs, and of runs without flags or a baseline."""
+
+import json
+import shutil
+
+from metatrain import cli
+from metatrain.plot import ema
+
+
+def _png(path):
+    return path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_workdirs_overlay(shared_run, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(shared_run["workdir"], other, ignore=shutil.ignore_patterns("checkpoints", "*.lock", ".lock"))
+    assert cli.main(["plot", str(shared_run["workdir"]), str(other), "--out", str(tmp_path / "both.png")]) == 0
+    assert _png(tmp_path / "both.png") and "both.png" in capsys.readouterr().out
+
+
+def test_runs_without_flags_or_baseline_still_plot(shared_run, tmp_path):
+    """Strip what a run without corruption flags and without a baseline lacks: the panels that apply remain."""
+    run = tmp_path / "plain"
+    run.mkdir()
+    rows = [json.loads(x) for x in open(shared_run["workdir"] / "metrics.jsonl")]
+    drop = ("baseline", "eval_auc", "eval_weight_c")
+    rows = [{k: v for k, v in r.items() if not k.startswith(drop) and "baseline" not in k} for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    weights = json.loads((shared_run["workdir"] / "eval_weights.json").read_text())
+    (run / "eval_weights.json").write_text(json.dumps({**weights, "corrupted": None}))
+    assert cli.main(["plot", str(run)]) == 0 and _png(run / "curves.png")
+    (run / "eval_weights.json").unlink()  # a task without weights
+    assert cli.main(["plot", str(run), "--out", str(run / "no_weights.png")]) == 0 and _png(run / "no_weights.png")
+
+
+def test_ema_is_bias_corrected():
+    assert ema([2.0, 2.0, 2.0]).tolist() == [2.0, 2.0, 2.0]
+    smoothed = ema([0.0, 10.0], decay=0.5)
+    assert smoothed[0] == 0.0 and abs(smoothed[1] - 10 * 0.5 / 0.75) < 1e-12
