@@ -5,6 +5,10 @@ corrupt a fraction of inner documents) → concatenate-then-split into rows of s
 ids and positions, so attention never crosses documents) → batch. The inner stream yields
 `[T, batch, seq_len+1]` per outer step, the outer stream `[batch, seq_len+1]` (batch = per process).
 
+With `data.outer_source` (a trusted set) the outer stream and the validation set come from it instead, and
+every document of `data.source` but its held-out share feeds the inner stream. Each example carries `doc`, the
+index of the document that gave it most tokens, so learned weights map back to documents.
+
 The documents are split into `data.shards` logical shards (default: one per process), each with its
 own pipeline; a process reads a contiguous run of them and the global batch is the shards' rows in
 shard order. With `data.shards` fixed, 1 process and N processes see exactly the same global batches.
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,16 +25,20 @@ from typing import Any
 import grain
 import numpy as np
 
-from metatrain.data.corpus import FileDocuments, builtin_corpus_files
+from metatrain.data.sources import open_source
 from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
 from metatrain.errors import ConfigError, DataError
 
-SEQ_FEATURES = ("tokens", "corrupted")
+SEQ_FEATURES = ("tokens", "corrupted", "doc")
+DEVICE_FEATURES = ("tokens", "segment_ids", "positions", "corrupted")  # what the outer step reads; not `doc`
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "builtin"  # "builtin", "tfds:NAME", or a dataset built by `metatrain data build`
+    source: str = "builtin"  # builtin | tfds:NAME | jsonl:PATH | parquet:PATH | dir:PATH | hf-disk:PATH (see sources)
+    outer_source: str = ""  # a trusted set for the outer (validation) loss; default: 1 in outer_every of `source`
+    text_field: str = "text"  # jsonl / parquet / hf-disk: the field holding a document's text
+    id_field: str = "id"  # ... and its id (when absent: the line or row number)
     data_dir: str | None = None
     split: str = "train"
     tokenizer: str = DEFAULT_ENCODING
@@ -39,7 +46,7 @@ class DataConfig:
     seq_len: int = 128
     batch: int = 16  # global: split across processes
     inner_steps: int = 2
-    outer_every: int = 10  # every k-th document is held out for the outer (validation) stream
+    outer_every: int = 10  # 1 in k documents feeds the outer stream, 1 in k is held out for evaluation
     shuffle_window: int = 2048  # packed rows are shuffled within windows of this many rows
     corrupt_fraction: float = 0.0  # of inner documents: tokens shuffled within the document
     seed: int = 0
@@ -55,6 +62,11 @@ class DataConfig:
             raise ConfigError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
             raise ConfigError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
+        for name in ("source", "outer_source"):
+            spec = getattr(self, name)
+            kind = spec.partition(":")[0] + ":"
+            if kind in ("jsonl:", "parquet:", "dir:", "hf-disk:") and not spec[len(kind):].strip():
+                raise ConfigError(f"data.{name}: {spec!r} names no path; write {kind}PATH")
 
 
 class Subset:
@@ -71,28 +83,22 @@ class Subset:
         return doc, self.source[doc]
 
 
-def document_source(cfg: DataConfig):
-    """A random-access source of document texts for the config's `source`: `builtin`, `tfds:NAME`, or the
-    NAME of a dataset built by `metatrain data build` (a TFDS dataset in `data.data_dir`)."""
-    if cfg.source == "builtin":
-        return FileDocuments(builtin_corpus_files())
-    name = cfg.source.removeprefix("tfds:")  # a TFDS name may carry a config and version: c4/en:3.0.1
-    if os.path.exists(name) or name.startswith(("/", "./", "../", "~")):
-        raise DataError(f"data.source: {cfg.source!r} is a path, not a dataset; make a dataset from it with "
-                        f"`metatrain data build {name} --name NAME` and use data.source=tfds:NAME")
-    from metatrain.data import tfds_source  # imports tensorflow_datasets, only when needed
-
-    return tfds_source.text_source(name, cfg.split, cfg.data_dir)
+def document_source(cfg: DataConfig, spec: str | None = None):
+    """The random-access documents of `data.source` (or of `spec`, e.g. `data.outer_source`): see `sources`."""
+    return open_source(cfg.source if spec is None else spec, split=cfg.split, data_dir=cfg.data_dir,
+                       text_field=cfg.text_field, id_field=cfg.id_field)
 
 
-def split_ids(n_docs: int, outer_every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inner, outer and test document ids: document i is outer when i % k == 0, test when i % k == k // 2
-    (k = outer_every), inner otherwise. Disjoint by construction; test documents are seen by no training."""
+def split_ids(n_docs: int, outer_every: int, with_outer: bool = True,
+              name: str = "the corpus") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inner, outer and test document ids: document i is outer when i % k == 0 (only `with_outer`), test when
+    i % k == k // 2 (k = outer_every), inner otherwise. Disjoint by construction; test documents are seen by
+    no training."""
     if n_docs < outer_every:
-        raise DataError(f"the corpus has {n_docs} documents; at least {outer_every} are needed to hold one out "
-                        f"(data.outer_every={outer_every})")
+        raise DataError(f"{name} has {n_docs} documents; at least {outer_every} are needed to hold one out "
+                        f"(data.outer_every={outer_every}; lower it for a small source)")
     ids = np.arange(n_docs)
-    outer, test = ids % outer_every == 0, ids % outer_every == outer_every // 2
+    outer, test = (ids % outer_every == 0) & with_outer, ids % outer_every == outer_every // 2
     return ids[~outer & ~test], ids[outer], ids[test]
 
 
@@ -104,15 +110,23 @@ def _encoder(tok: Tokenizer, corrupt_fraction: float, seed: int):
         corrupted = corrupt_fraction > 0 and rng.random() < corrupt_fraction
         if corrupted:  # same tokens, order destroyed: only a model that reads order can tell
             tokens[:-1] = rng.permutation(tokens[:-1])
-        return {"tokens": tokens, "corrupted": np.full(tokens.shape, corrupted, np.int32)}
+        return {"tokens": tokens, "corrupted": np.full(tokens.shape, corrupted, np.int32),
+                "doc": np.full(tokens.shape, doc, np.int32)}
 
     return encode
+
+
+def main_doc(docs: np.ndarray) -> int:
+    """The document contributing most tokens to a packed row (`docs`: each token's document index)."""
+    values, counts = np.unique(docs, return_counts=True)
+    return int(values[counts.argmax()])
 
 
 def _finish(row: dict) -> dict:
     return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"],
             "positions": row["tokens_positions"],
-            "corrupted": (row["corrupted"].mean(-1) > 0.5).astype(np.int32)}  # per example
+            "corrupted": (row["corrupted"].mean(-1) > 0.5).astype(np.int32),  # per example
+            "doc": np.int32(main_doc(row["doc"]))}  # per example: an index into the source
 
 
 def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, corrupt_fraction: float = 0.0,
@@ -198,32 +212,48 @@ class Streams:
                              f"process unless data.shards is set); use a multiple of {n_shards}")
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
-        docs = document_source(cfg)
-        inner_ids, outer_ids, self.test_ids = split_ids(len(docs), cfg.outer_every)
-        if min(len(inner_ids), len(outer_ids), len(self.test_ids)) < n_shards:
-            raise DataError(f"data.source {cfg.source!r}: too few documents ({len(docs)}) to give each of {n_shards} "
-                            f"data shards one")
+        self.docs = docs = document_source(cfg)
+        trusted = document_source(cfg, cfg.outer_source) if cfg.outer_source else None
+        inner_ids, outer_ids, self.held_out_ids = split_ids(len(docs), cfg.outer_every, with_outer=trusted is None,
+                                                            name=f"data.source {cfg.source!r}")
+        if trusted is None:  # the outer stream and the validation set are shares of the one source
+            self.trusted, self.validation_ids = docs, self.held_out_ids
+        else:  # a trusted set: 1 in k of it is held out for validation, the rest feeds the outer stream
+            self.trusted = trusted
+            outer_ids, _, self.validation_ids = split_ids(len(trusted), cfg.outer_every, with_outer=False,
+                                                          name=f"data.outer_source {cfg.outer_source!r}")
+        outer_name = cfg.outer_source or cfg.source
+        for name, ids, source in (("inner", inner_ids, cfg.source), ("outer", outer_ids, outer_name),
+                                  ("held-out", self.held_out_ids, cfg.source),
+                                  ("validation", self.validation_ids, outer_name)):
+            if len(ids) < n_shards:
+                raise DataError(f"data source {source!r}: its {name} share has {len(ids)} document(s), fewer than "
+                                f"the {n_shards} data shards; add documents or lower data.outer_every")
         per = n_shards // process_count
         self._shards = range(process_index * per, (process_index + 1) * per)
-        self._docs = docs
         self._common = dict(seq_len=cfg.seq_len, batch=cfg.batch // n_shards, process_count=n_shards,
                             shuffle_window=cfg.shuffle_window)
         if process_index == 0:
-            for name, ids in (("inner", inner_ids), ("outer", outer_ids), ("held-out", self.test_ids)):
-                _warn_if_smaller_than_a_batch(name, docs, ids[::n_shards], self.tokenizer, cfg, n_shards)
+            for name, source, ids in (("inner", docs, inner_ids), ("outer", self.trusted, outer_ids),
+                                      ("validation", self.trusted, self.validation_ids)):
+                _warn_if_smaller_than_a_batch(name, source, ids[::n_shards], self.tokenizer, cfg, n_shards)
         self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
                                   process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
-        self.outer = [iter(stream(docs, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,
+        self.outer = [iter(stream(self.trusted, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,
                                   **self._common)) for k in self._shards]
 
     def next(self) -> tuple[dict, dict]:
-        """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step."""
+        """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step; `doc` holds each
+        example's document index (`self.docs.doc_id(i)` is the user's id)."""
         return _concat([next(it) for it in self.inner], 1), _concat([next(it) for it in self.outer], 0)
 
-    def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345) -> Iterator[dict]:
-        """Up to `n` batches [batch, seq+1] of held-out test documents (never in either stream), the same every
-        call, made as they are asked for."""
-        its = [iter(stream(self._docs, self.test_ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
+    def test_batches(self, n: int, corrupt_fraction: float = 0.0, seed: int = 12345,
+                     of: str = "validation") -> Iterator[dict]:
+        """Up to `n` batches [batch, seq+1] of documents never in either stream, the same every call, made as they
+        are asked for: `validation` (the trusted set's held-out share, or the source's) or `held_out` (the inner
+        source's held-out share: the same as validation without an outer source)."""
+        docs, ids = (self.trusted, self.validation_ids) if of == "validation" else (self.docs, self.held_out_ids)
+        its = [iter(stream(docs, ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
                            process_index=k, **self._common)) for k in self._shards]
         for _ in range(n):
             yield _concat([next(it) for it in its], 0)
@@ -246,8 +276,10 @@ class Streams:
                 "outer_data": grain.checkpoint.CheckpointRestore(_Checkpointable(self.outer))}
 
 
-def to_global(batch: dict, sharding) -> dict:
-    """Per-process numpy batch → global `jax.Array`s with `sharding` (a NamedSharding over the batch axis)."""
+def to_global(batch: dict, sharding, keys: Sequence[str] | None = None) -> dict:
+    """Per-process numpy batch → global `jax.Array`s with `sharding` (a NamedSharding over the batch axis);
+    only `keys` when given (the outer step reads DEVICE_FEATURES)."""
     import jax
 
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()
+            if keys is None or k in keys}

@@ -25,6 +25,7 @@ from metatrain.models import ModelConfig
 from metatrain.tasks import task_class
 from metatrain.unroll import INNER_CHECKPOINTS
 
+USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 AUTO = "auto"
 
@@ -187,6 +188,10 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
+    given = {o.split("=")[0].strip() for o in overrides}
+    if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
+        # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corrupt_fraction=0.0))
     if not pretrained:
         return dataclasses.replace(validate(dataclasses.replace(cfg, inner=InnerConfig())), inner=cfg.inner)
     return follow_pretrained(validate(cfg), tokenizer_given)

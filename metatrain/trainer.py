@@ -28,7 +28,7 @@ from metatrain import workdir as workdir_lib
 from metatrain.aot import compiled_memory
 from metatrain.checkpoints import Checkpoints
 from metatrain.config import AUTO, Config
-from metatrain.data.pipeline import Streams, to_global
+from metatrain.data.pipeline import DEVICE_FEATURES, Streams, to_global
 from metatrain.errors import ConfigError, TrainingError
 from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
 from metatrain.tasks import validate
@@ -126,7 +126,8 @@ class Trainer:
 
     def _global_batches(self):
         inner, outer = self.streams.next()
-        return to_global(inner, self._inner_sharding), to_global(outer, self._outer_sharding)
+        return (to_global(inner, self._inner_sharding, DEVICE_FEATURES),
+                to_global(outer, self._outer_sharding, DEVICE_FEATURES))
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _theta(self, which: str = "inner"):
@@ -140,44 +141,63 @@ class Trainer:
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
-            self._test_cache = [to_global(b, self._outer_sharding)
+            self._test_cache = [to_global(b, self._outer_sharding, DEVICE_FEATURES)
                                 for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 
-    def _scored(self, max_batches: int = 64) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """(scores, weights, corrupted flags) of the meta model on held-out examples, gathered on every host.
-        With corruption flags: at least `eval_batches` (and 8) flagged batches, more while one class is missing,
-        chosen at the first call and kept; without: the validation batches. Weights: the task's α(η, x) within
-        each batch of the run's size (None for tasks without `weights`)."""
+    def _scored(self, max_batches: int = 64) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray]:
+        """(scores, weights, corrupted flags, document indices) of the meta model on held-out examples of the inner
+        source, gathered on every host. With corruption flags: at least `eval_batches` (and 8) flagged batches,
+        more while one class is missing; without: `eval_batches` batches; chosen at the first call and kept.
+        Weights: the task's α(η, x) within each batch of the run's size (None for tasks without `weights`)."""
         weights = getattr(self.task, "weights", None)
         if not hasattr(self, "_score_fn"):
             self._score_fn = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"],
-                                                      weights(meta, b) if weights else b["corrupted"]),
+                                                      weights(meta, b) if weights else b["corrupted"], b["doc"]),
                                      out_shardings=self._replicated)
         results = []
         if not hasattr(self, "_scored_batches"):
             flagged = self.cfg.data.corrupt_fraction > 0
-            batches = (self.streams.test_batches(max_batches, self.cfg.data.corrupt_fraction, seed=777) if flagged
-                       else iter(self._test_batches()))
-            n, kept = max(self.cfg.eval_batches, 8) if flagged else len(self._test_batches()), []
+            n = max(self.cfg.eval_batches, 8) if flagged else self.cfg.eval_batches
+            batches = self.streams.test_batches(max_batches if flagged else n, self.cfg.data.corrupt_fraction,
+                                                seed=777, of="held_out")
+            kept = []
             for b in batches:
                 if len(results) >= n and (not flagged or len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
                     break
-                kept.append(b if not flagged else to_global(b, self._outer_sharding))
+                kept.append(to_global(b, self._outer_sharding))
                 results.append(jax.device_get(self._score_fn(self.state["meta"], kept[-1])))
             self._scored_batches = kept
         else:
             results = [jax.device_get(self._score_fn(self.state["meta"], b)) for b in self._scored_batches]
-        scores, flags, alphas = (np.concatenate(x) for x in zip(*results))
+        scores, flags, alphas, docs = (np.concatenate(x) for x in zip(*results))
         return (scores, alphas if weights else None,
-                flags if self.cfg.data.corrupt_fraction > 0 else None)
+                flags if self.cfg.data.corrupt_fraction > 0 else None, docs)
+
+    def weight_extremes(self, k: int = 5) -> tuple[list[dict], list[dict]] | None:
+        """The k lowest- and highest-weighted held-out documents (a document's weight: the mean over its examples)
+        as {id, weight, text} with the text's first 80 characters (fewer when fewer than 2k documents were
+        scored); None for tasks without weights."""
+        if not hasattr(self.task, "weights"):
+            return None
+        _, weights, _, docs = self._scored()
+        unique, inverse = np.unique(docs, return_inverse=True)
+        mean = np.bincount(inverse, weights) / np.bincount(inverse)
+        order, k = np.argsort(mean, kind="stable"), min(k, len(unique) // 2)  # two disjoint lists
+        source = self.streams.docs
+
+        def row(j):
+            text = " ".join(source[int(unique[j])].split())
+            return {"id": source.doc_id(int(unique[j])), "weight": float(mean[j]), "text": text[:80]}
+
+        return [row(j) for j in order[:k]], [row(j) for j in order[::-1][:k]]
 
     def corrupted_auc(self) -> float | None:
         """ROC AUC of the meta model's scores for clean (positive) vs corrupted held-out examples; None without
         scores or corruption, NaN if the held-out sample keeps only one class."""
         if not hasattr(self.task, "scores") or self.cfg.data.corrupt_fraction <= 0:
             return None
-        scores, _, flags = self._scored()
+        scores, _, flags, _ = self._scored()
         return roc_auc(scores, 1 - flags)
 
     def evaluate(self) -> dict:
@@ -189,7 +209,7 @@ class Trainer:
         if "base" in self.state:
             out["eval_baseline_validation_loss"] = self.validation_loss("base")
         if hasattr(self.task, "scores"):
-            scores, weights, flags = self._scored()
+            scores, weights, flags, _ = self._scored()
             both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
             if both:
                 out["eval_auc"] = roc_auc(scores, 1 - flags)
@@ -304,4 +324,5 @@ class Trainer:
             summary["baseline_validation_loss"] = evaluation["eval_baseline_validation_loss"]
         flagged = hasattr(self.task, "scores") and self.cfg.data.corrupt_fraction > 0
         summary["corrupted_auc"] = evaluation.get("eval_auc", float("nan") if flagged else None)
+        summary["weight_extremes"] = self.weight_extremes()  # every process: scoring is a collective
         return summary

@@ -51,6 +51,12 @@ def cmd_train(args) -> int:
         plot = plot_runs([log_dir])
         tracking.copy_logs(log_dir, cfg.workdir)
         seconds = summary["seconds"]
+        extremes = summary.get("weight_extremes")
+        if extremes:
+            for title, rows in (("lowest", extremes[0]), ("highest", extremes[1])):
+                print(f"{title}-weighted held-out documents (id, weight, text):")
+                for r in rows:
+                    print(f"  {str(r['id'])[:40]:<12} {r['weight']:6.3f}  {r['text']}")
         print(f"evaluation: {summary['eval_seconds']:.1f} s ({100 * summary['eval_seconds'] / max(seconds, 1e-9):.1f}% "
               f"of the run's time)")
         print(f"time: {seconds:.0f} s, skipped updates: {summary['skipped_updates']}")
@@ -80,6 +86,24 @@ def cmd_import_hf(args) -> int:
     out, cfg = import_hf(args.dir, args.out)
     print(f"wrote {out}: {param_count(cfg):,} parameters ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab "
           f"{cfg.vocab_size}); train from it with inner.init_from={out}")
+    return 0
+
+
+def cmd_scores(args) -> int:
+    from metatrain.scores import scores
+
+    out, n = scores(args.workdir, args.data, args.out, args.max_rows)
+    print(f"wrote {out}: score and weight of {n:,} documents")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from metatrain.scores import evaluate, perplexity
+
+    results = evaluate(args.workdir, args.data, args.max_docs, args.max_rows)
+    print(f"next-token loss on {args.data or 'the run' + chr(39) + 's validation documents'}:")
+    for name, loss in results:
+        print(f"  {name:<26} loss {loss:.4f}  perplexity {perplexity(loss):,.2f}")
     return 0
 
 
@@ -131,6 +155,19 @@ def register(sub) -> None:
     q.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer files")
     q.add_argument("--out", required=True, help="the export dir to write")
     q.set_defaults(fn=cmd_import_hf)
+    p = sub.add_parser("scores", help="per-document score and learned weight of a run's final η, as JSON lines")
+    p.add_argument("workdir", help="a `metatrain train` work dir (a task with scores: loss_weighting)")
+    p.add_argument("--data", default=None, help="a data source (jsonl:, parquet:, dir:, hf-disk:, tfds:, builtin; "
+                                                "default: the run's data.source)")
+    p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl")
+    p.add_argument("--max-rows", type=int, default=4, help="score a document by its first N rows of seq_len+1")
+    p.set_defaults(fn=cmd_scores)
+    p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start")
+    p.add_argument("workdir", help="a `metatrain train` work dir")
+    p.add_argument("--data", default=None, help="a data source (default: the run's validation documents)")
+    p.add_argument("--max-docs", type=int, default=0, help="evaluate the first N documents (0: all)")
+    p.add_argument("--max-rows", type=int, default=16, help="rows of seq_len+1 per document (longer: cut)")
+    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plot", help="the run report (PNG): held-out loss learned vs baseline, AUC, weights, losses")
     p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="one or more work dirs, overlaid by name")
     p.add_argument("--out", default=None, help="default: WORKDIR/curves.png of the first")

@@ -107,4 +107,4 @@ def test_a_corpus_smaller_than_one_batch_is_said_with_the_figures(tmp_path, caps
     err = capsys.readouterr().err
     assert "warning: the inner stream's 10 document(s) per data shard hold 1,768 tokens, fewer than one batch " \
            "(64 rows x 65 = 4,160 tokens)" in err
-    assert "the outer stream's 2 document(s)" in err and "the held-out stream's 1 document(s)" in err
+    assert "the outer stream's 2 document(s)" in err and "the validation stream's 1 document(s)" in err

@@ -38,6 +38,13 @@ def test_pretrain_then_meta_train_from_it_then_export(tmp_path, capsys):
         out = _run(capsys, "train", *TINY, f"task={task}", f"workdir={tmp_path / task}", f"inner.init_from={base}",
                    "steps=1", "baseline=uniform")
         assert f"inner model from {base}" in out and _validation(out)[0] == pretrained
+    # `metatrain eval` of a run with a pretrained start also evaluates the starting model
+    out = _run(capsys, "eval", str(tmp_path / "loss_weighting"), "--max-docs", "20")
+    losses = {line.split(" loss ")[0].strip(): float(line.split(" loss ")[1].split()[0])
+              for line in out.splitlines() if line.startswith("  ")}
+    assert set(losses) == {"inner model (fine-tuned)", "uniform baseline", "starting model"}
+    # one outer step: both inner models took their steps with the same (initial) η, and moved from the start
+    assert losses["inner model (fine-tuned)"] == losses["uniform baseline"] != losses["starting model"]
     # an export of the pretrained model holds its parameters, and inner.init_from reads them back
     assert cli.main(["export", str(base), "--out", str(tmp_path / "base_export")]) == 0
     from metatrain.export import load_params

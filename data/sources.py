@@ -1,0 +1,252 @@
+"""Document sources: random-access texts with ids, for Grain and for `metatrain scores` / `eval`.
+
+`open_source(spec, cfg)` maps a `data.source` / `data.outer_source` string to a source:
+
+    builtin          the built-in corpus (the standard library's .py files)
+    tfds:NAME        a TFDS dataset (`tfds.data_source`; `metatrain data build` makes one from text files)
+    jsonl:PATH       JSON lines, one document per line (PATH may be a glob); text in `data.text_field`
+    parquet:PATH     Parquet files (PATH may be a glob); text in the column `data.text_field`
+    dir:PATH         a directory of text files, one document per file (walked recursively, sorted)
+    hf-disk:PATH     a Hugging Face `datasets` dataset saved with `save_to_disk` (read from its Arrow files)
+
+Every source has `len`, `source[i] -> str` and `source.doc_id(i)`: the user's id (`data.id_field` when the
+records have it; else the line / row number, or the file's path relative to the dir), so learned weights map
+back to documents. Problems (a missing path, no documents, a missing field, a record that is not text) are
+one-line `DataError`s naming the source and the record.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+
+from metatrain.data.corpus import FileDocuments, builtin_corpus_files
+from metatrain.errors import DataError
+
+KINDS = ("builtin", "tfds:", "jsonl:", "parquet:", "dir:", "hf-disk:")
+
+
+class Indexed:
+    """Document i is its index; the base of the sources without ids of their own."""
+
+    def doc_id(self, i: int):
+        return int(i)
+
+
+class Builtin(FileDocuments, Indexed):
+    pass
+
+
+def _files(kind: str, pattern: str) -> list[str]:
+    pattern = os.path.expanduser(pattern)
+    files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        what = "matches no file" if any(c in pattern for c in "*?[") else "is not a file"
+        raise DataError(f"data source {kind}:{pattern}: {pattern!r} {what}")
+    return files
+
+
+class JsonLines:
+    """JSON lines, read on demand: one pass at open validates every record and keeps byte offsets and ids."""
+
+    def __init__(self, pattern: str, text_field: str, id_field: str):
+        self.files, self.text_field = _files("jsonl", pattern), text_field
+        file_index, offsets, ids = [], [], []
+        for k, path in enumerate(self.files):
+            with open(path, "rb") as f:
+                line_no, offset = 0, 0
+                for raw in f:
+                    line_no += 1
+                    start, offset = offset, offset + len(raw)
+                    if not raw.strip():
+                        continue
+                    record = _json_record(raw, path, line_no)
+                    _text_of(record, text_field, f"{path}:{line_no}")
+                    given = record.get(id_field)
+                    ids.append(given if given is not None else
+                               (line_no if len(self.files) == 1 else f"{os.path.basename(path)}:{line_no}"))
+                    file_index.append(k)
+                    offsets.append(start)
+        if not offsets:
+            raise DataError(f"data source jsonl:{pattern}: no documents (the file(s) hold no JSON lines)")
+        self.file_index, self.offsets, self.ids = np.asarray(file_index), np.asarray(offsets, np.int64), ids
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> str:
+        path = self.files[int(self.file_index[i])]
+        with open(path, "rb") as f:
+            f.seek(int(self.offsets[i]))
+            return json.loads(f.readline())[self.text_field]
+
+    def doc_id(self, i: int):
+        return self.ids[int(i)]
+
+
+def _json_record(raw: bytes, path: str, line_no: int) -> dict:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}:{line_no}: not a JSON line ({str(e).splitlines()[0]})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object with a text field")
+    return record
+
+
+def _text_of(record: dict, field: str, where: str) -> str:
+    if field not in record:
+        raise DataError(f"{where}: no field {field!r} (the record has {sorted(record)[:8]}); name the text field "
+                        f"with data.text_field")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+    return text
+
+
+class Table:
+    """A text column (and an optional id column) of Arrow tables: Parquet files or a saved `datasets` dataset."""
+
+    def __init__(self, name: str, table, text_field: str, id_field: str):
+        import pyarrow as pa
+
+        if table.num_rows == 0:
+            raise DataError(f"data source {name}: no documents (0 rows)")
+        if text_field not in table.column_names:
+            raise DataError(f"data source {name}: no column {text_field!r} (columns: {table.column_names[:8]}); "
+                            f"name the text column with data.text_field")
+        text = table.column(text_field)
+        if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+            raise DataError(f"data source {name}: column {text_field!r} is {text.type}, not text")
+        if text.null_count:
+            row = int(np.flatnonzero(text.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataError(f"data source {name}: row {row}: column {text_field!r} is null, not text")
+        self.text = text
+        self.ids = table.column(id_field).to_pylist() if id_field in table.column_names else None
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def __getitem__(self, i: int) -> str:
+        return self.text[int(i)].as_py()
+
+    def doc_id(self, i: int):
+        return self.ids[int(i)] if self.ids is not None else int(i)
+
+
+def parquet(pattern: str, text_field: str, id_field: str) -> Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = _files("parquet", pattern)
+    tables = []
+    for path in files:
+        try:
+            schema = pq.read_schema(path)
+            columns = [c for c in (text_field, id_field) if c in schema.names] or None
+            tables.append(pq.read_table(path, columns=columns))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: not a Parquet file ({str(e).splitlines()[0][:160]})") from None
+    try:
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    except pa.ArrowInvalid as e:
+        raise DataError(f"data source parquet:{pattern}: the files' columns differ ({str(e)[:160]})") from None
+    return Table(f"parquet:{pattern}", table, text_field, id_field)
+
+
+def hf_disk(path: str, split: str, text_field: str, id_field: str) -> Table:
+    """A dataset written by `datasets`' `save_to_disk`: state.json names its Arrow stream files (a DatasetDict
+    keeps one such dataset per split, chosen by `data.split`). Memory-mapped; no `datasets` needed."""
+    import pyarrow as pa
+
+    name = f"hf-disk:{path}"
+    if not os.path.isdir(path):
+        raise DataError(f"data source {name}: {path!r} is not a directory")
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise DataError(f"data source {name}: no split {split!r} (it has {splits}); choose one with data.split")
+        path = os.path.join(path, split)
+    state = os.path.join(path, "state.json")
+    if not os.path.isfile(state):
+        raise DataError(f"data source {name}: no state.json in {path}; save the dataset with "
+                        f"`dataset.save_to_disk(PATH)`")
+    with open(state) as f:
+        files = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    tables = []
+    for file in files:
+        try:
+            tables.append(pa.ipc.open_stream(pa.memory_map(file)).read_all())
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{file}: not an Arrow file of a saved dataset ({str(e).splitlines()[0][:160]})") from None
+    if not tables:
+        raise DataError(f"data source {name}: state.json lists no data files")
+    return Table(name, pa.concat_tables(tables) if len(tables) > 1 else tables[0], text_field, id_field)
+
+
+class TextDir(FileDocuments):
+    """One document per file under a directory (hidden files and folders skipped); the id is the relative path."""
+
+    def __init__(self, root: str):
+        if not os.path.isdir(root):
+            raise DataError(f"data source dir:{root}: {root!r} is not a directory")
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+            files += [os.path.join(d, n) for n in sorted(names) if not n.startswith(".")]
+        if not files:
+            raise DataError(f"data source dir:{root}: no files under {root!r}")
+        super().__init__(files)
+        self.root = root
+
+    def __getitem__(self, i: int) -> str:
+        try:
+            with open(self.files[i], encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError:
+            raise DataError(f"{self.files[i]}: not UTF-8 text (data source dir:{self.root})") from None
+
+    def doc_id(self, i: int):
+        return os.path.relpath(self.files[int(i)], self.root)
+
+
+class Tfds(Indexed):
+    def __init__(self, source):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> str:
+        return self.source[i]
+
+
+def open_source(spec: str, *, split: str = "train", data_dir: str | None = None, text_field: str = "text",
+                id_field: str = "id"):
+    """The document source named by `spec` (see the module docstring for the forms)."""
+    if spec == "builtin":
+        return Builtin(builtin_corpus_files())
+    kind, _, rest = spec.partition(":")
+    if kind == "jsonl":
+        return JsonLines(rest, text_field, id_field)
+    if kind == "parquet":
+        return parquet(rest, text_field, id_field)
+    if kind == "dir":
+        return TextDir(os.path.expanduser(rest))
+    if kind == "hf-disk":
+        return hf_disk(os.path.expanduser(rest), split, text_field, id_field)
+    name = spec.removeprefix("tfds:")  # a TFDS name may carry a config and version: c4/en:3.0.1
+    if os.path.exists(name) or name.startswith(("/", "./", "../", "~")):
+        guess = "jsonl" if name.endswith(".jsonl") else "parquet" if name.endswith(".parquet") else (
+            "dir" if os.path.isdir(name) else None)
+        hint = f"write {guess}:{name}, or " if guess else "name its kind (jsonl:, parquet:, dir:, hf-disk:) or "
+        raise DataError(f"data source {spec!r} is a path, not a dataset: {hint}make a TFDS dataset from it with "
+                        f"`metatrain data build {name} --name NAME` and use tfds:NAME")
+    from metatrain.data import tfds_source  # imports tensorflow_datasets, only when needed
+
+    return Tfds(tfds_source.text_source(name, split, data_dir))

@@ -1,0 +1,182 @@
+"""Learned weights out of a finished run, and its models evaluated on any documents.
+
+`scores(workdir, source, out)` writes one JSON line per document, `{"id", "score", "weight"}`, with the run's
+final η. A document is scored alone, not packed: its tokens (up to `max_rows` rows of seq_len+1) are the
+rows of a padded batch, and its score is the task's score averaged over its tokens. Its weight is the one it
+gets within a batch of the run's size whose other examples have the mean exp-score of the documents scored:
+w = B·e^s / (e^s + (B−1)·mean e^s') — the task's α = B·softmax(scores) with the rest of the batch typical.
+
+`evaluate(workdir, source)` gives the next-token loss (mean over tokens) and perplexity of the run's inner
+model, its uniform baseline's and, for a run started from a pretrained model, the starting model's, on the
+run's validation documents by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from metatrain import config as config_lib
+from metatrain import export as export_lib
+from metatrain import step as step_lib
+from metatrain import workdir as workdir_lib
+from metatrain.config import Config
+from metatrain.data.pipeline import document_source, split_ids
+from metatrain.data.tokenizer import load_tokenizer
+from metatrain.errors import ConfigError
+from metatrain.tasks import make_task
+
+
+@dataclasses.dataclass
+class Run:
+    """A finished (or interrupted) run: its config, task, latest step, and the saved state's parts on one device."""
+
+    cfg: Config
+    task: object
+    step: int
+    state_dir: str
+    saved: dict
+    shapes: dict
+
+    def part(self, key: str):
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), self.shapes[key])
+        return export_lib._restore_part(self.state_dir, self.saved, key, target)
+
+
+def open_run(workdir: str) -> Run:
+    state_dir, step, saved = export_lib._latest_state(workdir)
+    text = config_lib.read_text(workdir_lib.config_path(workdir))
+    if text is None or "params" in saved:
+        raise ConfigError(f"{workdir} is not a meta-training run (no config.yaml or a pretrain run); give the work "
+                          f"dir of a `metatrain train` run")
+    cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
+    cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
+    task = make_task(cfg.task, model=cfg.model, inner_lr=cfg.inner_lr)
+    meta_opt = step_lib.meta_optimizer(cfg.meta_opt, cfg.steps)
+    shapes = jax.eval_shape(lambda k: step_lib.init_state(task, meta_opt, cfg.baseline == "uniform", k),
+                            jax.random.key(0))
+    return Run(cfg, task, step, state_dir, saved, shapes)
+
+
+def document_rows(tokens: np.ndarray, seq_len: int, max_rows: int) -> list[dict]:
+    """One document's tokens as up to `max_rows` rows of seq_len+1 (consecutive rows overlap by one token, so
+    every token but the first is a target once), the last padded with segment id 0; positions restart in each
+    row, as in a packed training row."""
+    rows, start = [], 0
+    while start < len(tokens) - 1 and len(rows) < max_rows:
+        chunk = tokens[start:start + seq_len + 1]
+        n = len(chunk)
+        row = np.zeros(seq_len + 1, np.int32)
+        row[:n] = chunk
+        rows.append({"tokens": row, "segment_ids": (np.arange(seq_len + 1) < n).astype(np.int32),
+                     "positions": np.arange(seq_len + 1, dtype=np.int32), "targets": n - 1})
+        start += seq_len
+    return rows
+
+
+def _batches(docs, ids, tok, seq_len: int, batch: int, max_rows: int) -> Iterator[tuple[dict, np.ndarray, np.ndarray]]:
+    """(batch of rows [batch, seq+1], each row's document position in `ids` (-1: padding), its target count)."""
+    pending = []
+    for k, i in enumerate(ids):
+        pending += [(k, r) for r in document_rows(tok.encode(docs[int(i)]), seq_len, max_rows)]
+        while len(pending) >= batch or (k == len(ids) - 1 and pending):
+            take, pending = pending[:batch], pending[batch:]
+            pad = batch - len(take)
+            rows = [r for _, r in take] + [{"tokens": np.zeros(seq_len + 1, np.int32),
+                                            "segment_ids": np.zeros(seq_len + 1, np.int32),
+                                            "positions": np.zeros(seq_len + 1, np.int32), "targets": 0}] * pad
+            b = {f: np.stack([r[f] for r in rows]) for f in ("tokens", "segment_ids", "positions")}
+            b["corrupted"] = np.zeros(batch, np.int32)
+            yield b, np.asarray([k for k, _ in take] + [-1] * pad), np.asarray([r["targets"] for r in rows])
+
+
+def _per_document(fn, params, docs, ids, tok, cfg: Config, max_rows: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """fn(params, batch) -> [batch] per-row means, averaged per document over its target tokens (NaN for a document
+    without any); and each document's target count."""
+    total, count = np.zeros(len(ids)), np.zeros(len(ids))
+    with tqdm(total=len(ids), desc=what, unit="doc", file=sys.stderr, disable=len(ids) < 2) as bar:
+        done = 0
+        for b, where, targets in _batches(docs, ids, tok, cfg.data.seq_len, cfg.data.batch, max_rows):
+            values = np.asarray(fn(params, b))
+            keep = where >= 0
+            np.add.at(total, where[keep], values[keep] * targets[keep])
+            np.add.at(count, where[keep], targets[keep])
+            bar.update(int(where[keep].max()) + 1 - done)
+            done = int(where[keep].max()) + 1
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan), count
+
+
+def batch_weights(scores: np.ndarray, batch: int) -> np.ndarray:
+    """w = B·e^s / (e^s + (B−1)·mean e^s'): each document's weight in a batch of B otherwise typical examples."""
+    finite = scores[np.isfinite(scores)]
+    log_mean = np.log(np.mean(np.exp(finite - finite.max()))) + finite.max()
+    return batch / (1 + (batch - 1) * np.exp(log_mean - scores))
+
+
+def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4) -> tuple[str, int]:
+    """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
+    the run's data.source). Returns (the path, the number of documents)."""
+    run = open_run(workdir)
+    if not hasattr(run.task, "scores"):
+        raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
+                          f"has)")
+    docs = document_source(run.cfg.data, source or run.cfg.data.source)
+    tok = load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size)
+    fn = jax.jit(run.task.scores)
+    values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), tok, run.cfg, max_rows, "scoring")
+    weights = batch_weights(values, run.cfg.data.batch)
+    out = out or f"{workdir.rstrip('/')}/scores.jsonl"
+    with open(out, "w") as f:
+        for i in range(len(docs)):
+            score = float(values[i]) if np.isfinite(values[i]) else None  # an empty document has no score
+            weight = float(weights[i]) if np.isfinite(weights[i]) else None
+            f.write(json.dumps({"id": docs.doc_id(i), "score": score, "weight": weight}) + "\n")
+    return out, len(docs)
+
+
+def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:
+    """[(which model, mean next-token loss)] on `source` (all its documents) or, by default, the run's validation
+    documents (the held-out share of data.outer_source, or of data.source)."""
+    run = open_run(workdir)
+    cfg = run.cfg
+    if source:
+        docs = document_source(cfg.data, source)
+        ids = np.arange(len(docs))
+    elif cfg.data.outer_source:
+        docs = document_source(cfg.data, cfg.data.outer_source)
+        ids = split_ids(len(docs), cfg.data.outer_every, with_outer=False)[2]
+    else:
+        docs = document_source(cfg.data)
+        ids = split_ids(len(docs), cfg.data.outer_every)[2]
+    if max_docs:
+        ids = ids[:max_docs]
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
+    loss = jax.jit(run.task.example_losses)
+    theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
+    models = [("inner model (fine-tuned)", lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0])]
+    if run.saved.get("base") is not None:
+        models.append(("uniform baseline", lambda: run.part("base")["inner"][0]))
+    if cfg.inner.init_from:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), theta_shapes)
+        models.append(("starting model", lambda: export_lib.load_params(cfg.inner.init_from, target)))
+    results = []
+    for name, params in models:
+        per_doc, counts = _per_document(loss, params(), docs, ids, tok, cfg, max_rows, name)
+        ok = counts > 0  # the mean over tokens: each document weighted by its target count
+        results.append((name, float(np.sum(per_doc[ok] * counts[ok]) / max(counts[ok].sum(), 1))))
+    return results
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+

@@ -1,0 +1,92 @@
+"""`metatrain scores` and `metatrain eval` on the shared tiny run, checked against the task evaluated here on
+each document alone; the end-of-run list of the lowest- and highest-weighted held-out documents."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import saved_state
+
+from metatrain import cli
+from metatrain import config as config_lib
+from metatrain.data.tokenizer import load_tokenizer
+from metatrain.tasks import make_task
+
+DOCS = {"a": "x = 1\n", "b": "import os\n", "c": "( def ) =", "empty": ""}  # each shorter than a row
+
+
+def _setup(shared_run, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in DOCS.items()))
+    workdir = str(shared_run["workdir"])
+    cfg = config_lib.load(os.path.join(workdir, "config.yaml"), pretrained=False)
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
+    task = make_task(cfg.task, model=cfg.model.replace(vocab_size=tok.vocab_size), inner_lr=cfg.inner_lr)
+    return path, workdir, cfg, tok, task, saved_state(workdir, 4)
+
+
+def _alone(tok, text, seq_len):
+    """One document as a batch of one row (it fits: every document here is shorter than seq_len + 1 tokens)."""
+    ids = tok.encode(text)
+    assert len(ids) <= seq_len + 1
+    row = np.zeros((1, seq_len + 1), np.int32)
+    row[0, :len(ids)] = ids
+    seg = (np.arange(seq_len + 1) < len(ids)).astype(np.int32)[None]
+    return {"tokens": row, "segment_ids": seg, "positions": np.arange(seq_len + 1, dtype=np.int32)[None]}, len(ids) - 1
+
+
+def test_scores_match_each_document_scored_alone(shared_run, tmp_path, capsys):
+    path, workdir, cfg, tok, task, state = _setup(shared_run, tmp_path)
+    out = tmp_path / "scores.jsonl"
+    assert cli.main(["scores", workdir, "--data", f"jsonl:{path}", "--out", str(out)]) == 0
+    assert f"wrote {out}: score and weight of 4 documents" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(DOCS)
+    assert rows[-1]["score"] is None and rows[-1]["weight"] is None  # nothing to score in an empty document
+    expected = np.asarray([float(task.scores(state["meta"], _alone(tok, DOCS[k], cfg.data.seq_len)[0])[0])
+                           for k in "abc"])
+    got = np.asarray([r["score"] for r in rows[:3]])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    b = cfg.data.batch  # the weight among b - 1 examples of the mean exp-score: b·e^s / (e^s + (b-1)·mean e^s)
+    weights = b * np.exp(expected) / (np.exp(expected) + (b - 1) * np.exp(expected).mean())
+    np.testing.assert_allclose([r["weight"] for r in rows[:3]], weights, rtol=1e-5)
+
+
+def test_eval_matches_the_models_evaluated_here(shared_run, tmp_path, capsys):
+    path, workdir, cfg, tok, task, state = _setup(shared_run, tmp_path)
+    assert cli.main(["eval", workdir, "--data", f"jsonl:{path}"]) == 0
+    lines = {line.split(" loss ")[0].strip(): line for line in capsys.readouterr().out.splitlines()
+             if " loss " in line}
+    for name, theta in (("inner model (fine-tuned)", state["inner"][0]), ("uniform baseline",
+                                                                          state["base"]["inner"][0])):
+        losses, counts = [], []
+        for k in "abc":
+            batch, n = _alone(tok, DOCS[k], cfg.data.seq_len)
+            losses.append(float(task.example_losses(theta, batch)[0]))
+            counts.append(n)
+        loss = float(np.dot(losses, counts) / np.sum(counts))
+        printed = lines[name].split(" loss ")[1].split()
+        assert float(printed[0]) == pytest.approx(loss, abs=1e-4)
+        assert float(printed[2].replace(",", "")) == pytest.approx(np.exp(loss), rel=1e-3)
+    assert cli.main(["eval", workdir]) == 0  # the run's validation documents by default
+    assert "on the run's validation documents" in capsys.readouterr().out
+
+
+def test_the_run_lists_its_lowest_and_highest_weighted_documents(shared_run):
+    out = shared_run["stdout"].splitlines()
+    low, high = out.index("lowest-weighted held-out documents (id, weight, text):"), \
+        out.index("highest-weighted held-out documents (id, weight, text):")
+    k = high - low - 1  # 5, or half the held-out documents scored when they are fewer than 10
+    end = out.index(next(line for line in out if line.startswith("evaluation: ")))
+    assert 1 <= k <= 5 and end == high + 1 + k
+    weights = [float(line.split()[1]) for line in out[low + 1:high] + out[high + 1:end]]
+    assert weights[:k] == sorted(weights[:k]) and weights[k:] == sorted(weights[k:], reverse=True)
+    assert max(weights[:k]) <= min(weights[k:])  # two disjoint lists
+    assert all(len(line.split(None, 2)[2]) <= 80 for line in out[low + 1:end] if line.startswith("  "))
+
+
+def test_scores_of_a_missing_workdir_is_one_line(tmp_path, capsys):
+    assert cli.main(["scores", str(tmp_path / "nothing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
