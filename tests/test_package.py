@@ -97,7 +97,7 @@ OUTSIDE = [r"shared/", r"FACTS\.md", r"[Pp]rototype", r"/tmp/", r"/var/folders/"
 
 
 def test_nothing_points_outside_the_repository():
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*")), *sorted((ROOT / "configs").rglob("*"))]
+    files = [ROOT / "README.md", *[p for d in ("docs", "configs", "examples") for p in sorted((ROOT / d).rglob("*"))]]
     files += [p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*"))]
     hits = []
     for path in files:

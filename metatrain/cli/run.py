@@ -101,7 +101,8 @@ def cmd_eval(args) -> int:
     from metatrain.scores import evaluate, perplexity
 
     results = evaluate(args.workdir, args.data, args.max_docs, args.max_rows)
-    print(f"next-token loss on {args.data or 'the run' + chr(39) + 's validation documents'}:")
+    where = args.data or "the run's validation documents"
+    print(f"next-token loss on {where}:")
     for name, loss in results:
         print(f"  {name:<26} loss {loss:.4f}  perplexity {perplexity(loss):,.2f}")
     return 0

@@ -196,7 +196,8 @@ def test_a_folder_as_data_source_points_to_data_build(tmp_path, capsys):
     (tmp_path / "docs").mkdir()
     code, _, err = _train([f"workdir={tmp_path / 'run'}", f"data.source={tmp_path / 'docs'}"], capsys)
     assert code == 2
-    one_line_error(err, "data.source:", "is a path, not a dataset", f"metatrain data build {tmp_path / 'docs'}")
+    one_line_error(err, "data source", "is a path, not a dataset", f"write dir:{tmp_path / 'docs'}",
+                   f"metatrain data build {tmp_path / 'docs'}")
 
 
 def test_a_task_module_that_fails_to_import_is_named(tmp_path, capsys, monkeypatch):
