@@ -38,14 +38,19 @@ def _latest_state(workdir: str) -> tuple[str, int, dict]:
     return state_dir, step, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
 
 
+def on_one_device(shapes):
+    """ShapeDtypeStructs of `shapes` (arrays, shapes or checkpoint metadata) on this process's first device."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+
+
 def _restore_part(state_dir: str, saved: dict, key: str, target=None):
     """One top-level entry of a saved state (`saved`: its metadata tree), onto `target`'s shapes and
     shardings (default: the first device, as saved)."""
     if key not in saved:
         raise DataError(f"{state_dir} has no {key!r} entry (it has {sorted(saved)})")
     if target is None:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved[key])
+        target = on_one_device(saved[key])
     item = {key: target}
     args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)

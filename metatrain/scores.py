@@ -46,9 +46,7 @@ class Run:
     shapes: dict
 
     def part(self, key: str):
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), self.shapes[key])
-        return export_lib._restore_part(self.state_dir, self.saved, key, target)
+        return export_lib._restore_part(self.state_dir, self.saved, key, export_lib.on_one_device(self.shapes[key]))
 
 
 def open_run(workdir: str) -> Run:
@@ -104,14 +102,12 @@ def _per_document(fn, params, docs, ids, tok, cfg: Config, max_rows: int, what: 
     without any); and each document's target count."""
     total, count = np.zeros(len(ids)), np.zeros(len(ids))
     with tqdm(total=len(ids), desc=what, unit="doc", file=sys.stderr, disable=len(ids) < 2) as bar:
-        done = 0
         for b, where, targets in _batches(docs, ids, tok, cfg.data.seq_len, cfg.data.batch, max_rows):
             values = np.asarray(fn(params, b))
             keep = where >= 0
             np.add.at(total, where[keep], values[keep] * targets[keep])
             np.add.at(count, where[keep], targets[keep])
-            bar.update(int(where[keep].max()) + 1 - done)
-            done = int(where[keep].max()) + 1
+            bar.update(int(where[keep].max()) + 1 - bar.n)  # documents finished so far
     return np.where(count > 0, total / np.maximum(count, 1), np.nan), count
 
 
@@ -166,8 +162,7 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     if run.saved.get("base") is not None:
         models.append(("uniform baseline", lambda: run.part("base")["inner"][0]))
     if cfg.inner.init_from:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), theta_shapes)
+        target = export_lib.on_one_device(theta_shapes)
         models.append(("starting model", lambda: export_lib.load_params(cfg.inner.init_from, target)))
     results = []
     for name, params in models:
