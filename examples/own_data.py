@@ -2,6 +2,7 @@
 
     python examples/own_data.py make DIR         # DIR/inner.jsonl (30% word-shuffled), trusted.jsonl, truth.jsonl
     python examples/own_data.py auc DIR SCORES   # ROC AUC of -score for the corrupted documents of inner.jsonl
+    python examples/own_data.py load HF_DIR      # the exported model in transformers (the `hf` extra), vs metatrain's
 
 The documents are 600-character pieces of the Python standard library's modules (on every machine, no
 download): a stand-in for a user's pile of documents. The trusted set is clean pieces of other modules.
@@ -58,10 +59,31 @@ def auc(out: str, scores_path: str) -> float:
     return wins / (len(bad) * len(good))
 
 
+def load(directory: str) -> float:
+    """Loads an exported Hugging Face dir with transformers and returns the largest logit difference from
+    metatrain's own model of the same dir on a few token ids."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from metatrain import hf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    tokens = np.arange(2 * 24).reshape(2, 24) % model.config.vocab_size
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(tokens)).logits.numpy()
+    ours = np.asarray(hf.load(directory)(tokens))
+    print(f"transformers loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+          f"max |logits - metatrain's| = {np.abs(theirs - ours).max():.1e}")
+    return float(np.abs(theirs - ours).max())
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "auc":
         print(f"corrupted documents' ROC AUC of -score: {auc(sys.argv[2], sys.argv[3]):.3f}")
+    elif len(sys.argv) == 3 and sys.argv[1] == "load":
+        load(sys.argv[2])
     else:
         sys.exit(__doc__)

@@ -3,7 +3,8 @@
 Runs in float64, inside `jax.enable_x64` (the rest of the process is left as it was). The
 meta-parameters are the task's initial ones plus small noise, so every second-derivative path is
 exercised (e.g. a zero-initialised score head would otherwise hide the weighting model's mixed
-derivatives). The batches have the Trainer's structure (`step.random_batches`).
+derivatives). The batches have the Trainer's structure (`step.random_batches`). With LoRA the base weights
+are an argument of the jitted meta-gradient, bound to the task inside it, as in the Trainer's outer step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from metatrain.bench.variants import Variant, build_task, variants
 from metatrain.data.pipeline import DataConfig
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
-from metatrain.models import ModelConfig
+from metatrain.models import LoRAConfig, ModelConfig
 from metatrain.step import random_batches
 from metatrain.tasks import validate
 from metatrain.unroll import MetaGradMethod, meta_value_and_grad, outer_loss
@@ -54,7 +55,8 @@ def _float64(fn: Callable) -> Callable:
 def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: int = 0, directions: int = 3,
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
                 perturb: float = 0.05, modes=MODES, inner_checkpoint: str = "every_step",
-                only: list[Variant] | None = None, progress: Callable = lambda it, **_: it) -> list[Result]:
+                only: list[Variant] | None = None, progress: Callable = lambda it, **_: it,
+                lora: LoRAConfig | None = None, meta_model: ModelConfig | None = None) -> list[Result]:
     """Every variant's meta-gradient (`modes` x remat x save, or just the variants in `only`) against plain
     reverse-over-reverse and finite differences, in float64; `data` gives the batch shapes (seq_len, batch,
     inner_steps)."""
@@ -64,31 +66,37 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     if any("bf16" in v.model_options for v in only or ()):
         raise ConfigError("--variants: check-grads runs in float64, so +bf16 does not apply; drop it")
     model = model.replace(param_dtype="float64", compute_dtype="")  # the float64 path, whatever was asked
+    if meta_model is not None:
+        meta_model = meta_model.replace(param_dtype="float64", compute_dtype="", vocab_size=model.vocab_size)
     k_meta, k_inner, k_noise, k_data, k_dir = jax.random.split(jax.random.key(seed), 5)
-    ref_task = build_task(task_name, model, remat=False, inner_lr=inner_lr)
+    build = functools.partial(build_task, task_name, inner_lr=inner_lr, lora=lora, meta_model=meta_model)
+    ref_task = build(model, remat=False)
+    frozen = ref_task.init_frozen(k_inner)  # None without LoRA
     meta = ref_task.init_meta(k_meta)
     flat, unravel = ravel_pytree(meta)
     flat = flat + perturb * jax.random.normal(k_noise, flat.shape, flat.dtype)
     meta = unravel(flat)
     inner = ref_task.init_inner(k_inner, meta)
     batches, outer_batch = random_batches(data, model.vocab_size, k_data)
-    validate(ref_task, meta, inner, outer_batch)
+    validate(ref_task, meta, inner, outer_batch, frozen)
 
     # Fourth-order central differences of the outer loss along random unit directions. Inner Adam
     # makes V(η) far from smooth for some tasks, so no single step suits all: for each direction we
     # take steps eps, eps/√10, ..., and keep the estimate whose neighbour agrees with it best (an
     # estimate of its own error that never looks at the gradient under test).
-    value = jax.jit(lambda m: outer_loss(ref_task, MetaGradMethod("default", False))(m, inner, batches, outer_batch)[0])
+    value = jax.jit(lambda m, fr: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("default", False))(
+        m, inner, batches, outer_batch)[0])
     dirs = jax.random.normal(k_dir, (directions, flat.size), flat.dtype)
     dirs = dirs / jnp.linalg.norm(dirs, axis=1, keepdims=True)
-    fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u)), eps) for u in dirs])
+    fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen), eps) for u in dirs])
 
     results, ref = [], None
     plain = Variant("default", False, False)  # the reference: plain reverse-over-reverse, every step kept
     todo = [plain] + [v for v in (only or variants(modes, inner_checkpoint)) if v != plain]
     for v in progress(todo, desc="variants"):
-        task = build_task(task_name, v.model(model), remat=v.remat, inner_lr=inner_lr)  # +blockwise applies
-        _, grad = jax.jit(meta_value_and_grad(task, v.method))(meta, inner, batches, outer_batch)
+        task = build(v.model(model), remat=v.remat)  # +blockwise applies
+        grad_fn = jax.jit(lambda fr, *args, task=task, v=v: meta_value_and_grad(task.with_frozen(fr), v.method)(*args))
+        _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
         g = ravel_pytree(grad)[0]
         ref = g if ref is None else ref  # the first variant is plain reverse-over-reverse
         if not (bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(jnp.isfinite(ref)))):

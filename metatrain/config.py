@@ -21,7 +21,7 @@ from metatrain.data.pipeline import DataConfig
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, TaskError
 from metatrain.mixflow import MODES
-from metatrain.models import ModelConfig
+from metatrain.models import LoRAConfig, ModelConfig, preset
 from metatrain.tasks import task_class
 from metatrain.unroll import INNER_CHECKPOINTS
 
@@ -51,6 +51,25 @@ class InnerConfig:
     # the inner model starts from: a `metatrain pretrain` work dir, an export / import dir, or hf:DIR (a local Hugging
     # Face model dir); with an export dir or hf:DIR the model's architecture (and tokenizer) follow the checkpoint
     init_from: str = ""
+    # rank > 0: θ is LoRA adapters (stacked over layers) on a frozen base, the init_from weights
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaModelConfig:
+    """The meta model of tasks that have one (loss weighting's scorer); all empty: the inner model's architecture.
+    A preset, or an export / import dir or hf:DIR (its architecture and weights), then fields that are not 0."""
+
+    preset: str = ""  # a model preset: smollm2-135m, 44m, small, ...
+    init_from: str = ""  # a `metatrain export` / `metatrain import hf` dir or hf:DIR; same tokenizer as the inner model
+    d_model: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    d_ff: int = 0
+
+    @property
+    def given(self) -> bool:
+        return any(dataclasses.astuple(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +88,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     inner_lr: float = 1e-3
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
+    meta_model: MetaModelConfig = dataclasses.field(default_factory=MetaModelConfig)
     mode: str = "mixflow"  # default | mixflow | revfwd | auto (compile each, keep the lowest peak memory)
     save_inner_grads: bool = True
     inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
@@ -122,6 +142,15 @@ def validate(cfg: Config) -> Config:
     _check(not init_from or os.path.isdir(init_from), "inner.init_from",
            f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir, a `metatrain export` or "
            f"`metatrain import hf` dir, or hf:DIR")
+    scorer = cfg.meta_model.init_from
+    _check(not scorer or checkpoint_model(scorer, "meta_model.init_from") is not None, "meta_model.init_from",
+           f"{scorer!r} is not a `metatrain export` / `metatrain import hf` dir or hf:DIR")
+    _check(not (scorer and cfg.meta_model.preset), "meta_model.preset",
+           "give meta_model.preset or meta_model.init_from, not both (the checkpoint fixes the architecture)")
+    for name in ("d_model", "n_layers", "n_heads", "d_ff"):
+        _check(getattr(cfg.meta_model, name) >= 0, f"meta_model.{name}", "must be >= 0 (0: not changed)")
+    if cfg.meta_model.given:
+        meta_model_config(cfg, check_vocab=False)  # a bad preset or field combination: refused before anything is built
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
@@ -136,24 +165,63 @@ def validate(cfg: Config) -> Config:
 RUN_MODEL_FIELDS = ("head", "remat", "remat_policy", "param_dtype", "compute_dtype", "attention", "attention_block")
 
 
-def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
-    """With `inner.init_from` an export / import dir or hf:DIR, the model's architecture comes from the checkpoint,
-    and so does the tokenizer (`hf:` its dir) where it has a tokenizer.json and `data.tokenizer` is not given."""
-    source = cfg.inner.init_from
+def checkpoint_model(source: str, field: str = "inner.init_from") -> tuple[ModelConfig, str] | None:
+    """(architecture, directory) of an export / import dir or hf:DIR; None for anything else (a pretrain work dir)."""
     if source.startswith(HF_PREFIX):
         from metatrain import hf
 
         directory = source[len(HF_PREFIX):]
-        model = hf.config_from_hf(hf.read_config(directory), os.path.join(directory, "config.json"))
-    elif source and os.path.isfile(os.path.join(source, "export.json")):
-        directory = source
+        return hf.config_from_hf(hf.read_config(directory), os.path.join(directory, "config.json")), directory
+    if source and os.path.isfile(os.path.join(source, "export.json")):
         with open(os.path.join(source, "export.json")) as f:
             saved = json.load(f).get("model")
         if not saved:
-            raise ConfigError(f"inner.init_from: {source} holds parameters that are not a model's")
-        model = ModelConfig(**saved)
-    else:
+            raise ConfigError(f"{field}: {source} holds parameters that are not a model's")
+        return ModelConfig(**saved), source
+    return None
+
+
+def meta_model_config(cfg: Config, check_vocab: bool = True) -> ModelConfig | None:
+    """The meta model's architecture (`meta_model`), None when it is the inner model's. It reads the inner model's
+    tokens, so it has the inner model's vocabulary (a checkpoint with another vocabulary is refused) and the run's
+    own settings (remat, dtypes, attention)."""
+    m = cfg.meta_model
+    if not m.given:
+        return None
+    if m.init_from:
+        found = checkpoint_model(m.init_from, "meta_model.init_from")
+        if found is None:
+            raise ConfigError(f"meta_model.init_from: {m.init_from!r} is not a `metatrain export` / `metatrain import "
+                              "hf` dir or hf:DIR")
+        model = found[0]
+        if check_vocab and model.vocab_size != cfg.model.vocab_size:
+            raise ConfigError(f"meta_model.init_from: {m.init_from} has a vocabulary of {model.vocab_size} tokens, the "
+                              f"inner model {cfg.model.vocab_size}; the scorer reads the inner model's tokens: give "
+                              "a checkpoint with the same tokenizer")
+        return _scorer(model, m, cfg.model)
+    try:
+        base = preset(m.preset) if m.preset else cfg.model
+    except ConfigError as e:
+        raise ConfigError(f"meta_model.preset: {e}") from None
+    return _scorer(base, m, cfg.model)
+
+
+def _scorer(model: ModelConfig, m: MetaModelConfig, inner: ModelConfig) -> ModelConfig:
+    fields = {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(m, k)}
+    try:
+        return model.replace(**fields, vocab_size=inner.vocab_size, head="lm",
+                             **{k: getattr(inner, k) for k in RUN_MODEL_FIELDS if k != "head"})
+    except ConfigError as e:
+        raise ConfigError(f"meta_model: {e}") from None
+
+
+def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
+    """With `inner.init_from` an export / import dir or hf:DIR, the model's architecture comes from the checkpoint,
+    and so does the tokenizer (`hf:` its dir) where it has a tokenizer.json and `data.tokenizer` is not given."""
+    found = checkpoint_model(cfg.inner.init_from)
+    if found is None:
         return cfg  # a pretrain work dir: the run states its model, and the checkpoint must match it
+    model, directory = found
     model = model.replace(**{name: getattr(cfg.model, name) for name in RUN_MODEL_FIELDS})
     data = cfg.data
     if not tokenizer_given and os.path.isfile(os.path.join(directory, "tokenizer.json")):

@@ -4,7 +4,8 @@ model; `load_params` reads a pretrained model for `inner.init_from`.
 
 An export directory holds `params/` (an Orbax checkpoint of the pytree), `export.json` (kind, task, step,
 what, model config, and the Hugging Face config it came from, if any) and the tokenizer files, so
-`nnx.merge(models.abstract_init(cfg)[0], params)` rebuilds the model elsewhere.
+`nnx.merge(models.abstract_init(cfg)[0], params)` rebuilds the model elsewhere. A LoRA run's models are
+exported merged (W + scale · A B: a plain model), or with `adapters=True` the adapters alone (orbax).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def _restore_part(state_dir: str, saved: dict, key: str, target=None):
     return ocp.PyTreeCheckpointer().restore(state_dir, args=args)[key]
 
 
-def _check_matches(path: str, saved, target):
+def _check_matches(path: str, saved, target, field: str = "inner.init_from"):
     """Refuse a checkpoint whose parameter names or shapes differ from the target's, naming the first."""
     difference = first_layout_difference(saved, target)
     if difference:
-        raise ConfigError(f"inner.init_from: {path} does not hold parameters of this run's model ({difference}); "
+        raise ConfigError(f"{field}: {path} does not hold parameters of this run's model ({difference}); "
                           f"pretrain with the same model.* and data.vocab_size settings")
 
 
@@ -84,7 +85,7 @@ def _pure(tree):
         return _pure(tree["value"]) if set(tree) == {"value"} else {k: _pure(v) for k, v in tree.items()}
     if hasattr(tree, "items"):  # an nnx.State
         return _pure(dict(tree.items()))
-    return np.asarray(getattr(tree, "value", tree))
+    return np.asarray(tree.get_value() if hasattr(tree, "get_value") else tree)  # an nnx Variable, or an array
 
 
 def _origin(init_from: str, tokenizer: str) -> dict:
@@ -101,7 +102,34 @@ def _origin(init_from: str, tokenizer: str) -> dict:
     return info
 
 
-def _from_workdir(workdir: str, what: str | None) -> Exported:
+def lora_base(cfg, model: ModelConfig):
+    """The frozen base weights a LoRA run trained on, on this process's first device: its `inner.init_from`
+    weights, or for a run from random weights those its seed gave (the key `step.init_state` uses)."""
+    from metatrain import models
+
+    _, state = models.abstract_init(model, cfg.inner.lora)
+    target = on_one_device(models.split_adapters(state)[0])
+    if cfg.inner.init_from:
+        return load_params(cfg.inner.init_from, target)
+    _, k_inner = jax.random.split(jax.random.key(cfg.seed))
+    return jax.device_put(models.split_adapters(models.init(model, k_inner, cfg.inner.lora)[1])[0],
+                          jax.tree.leaves(target)[0].sharding)
+
+
+def _merged(cfg, model: ModelConfig, adapters):
+    """A LoRA run's adapters folded into its base weights: the parameters of a plain `model`."""
+    from flax import nnx
+
+    from metatrain import models
+    from metatrain.models.lora import merge
+
+    merged = merge(_pure(lora_base(cfg, model)), _pure(adapters), cfg.inner.lora.scale)
+    _, state = models.abstract_init(model)
+    nnx.replace_by_pure_dict(state, merged)
+    return state
+
+
+def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exported:
     state_dir, step, saved = _latest_state(workdir)
     text = config_lib.read_text(workdir_lib.config_path(workdir))
     if text is None:
@@ -114,6 +142,18 @@ def _from_workdir(workdir: str, what: str | None) -> Exported:
 
         model = model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
     info = {"task": cfg.task, "step": step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
+    lora = cfg.inner.lora.rank > 0
+    if adapters and not lora:
+        raise ConfigError(f"export --adapters: {workdir} is not a LoRA run (inner.lora.rank=0); export without it")
+
+    def model_out(params, which):  # a LoRA run's model: merged, or its adapters alone
+        if not lora:
+            return Exported(params, model, dict(info, kind="meta-train", what=which))
+        if adapters:
+            return Exported(params, None, dict(info, kind="meta-train", what=which, lora=dataclasses.asdict(
+                cfg.inner.lora), base=cfg.inner.init_from or f"random (seed {cfg.seed})", base_model=dataclasses.asdict(
+                model)))
+        return Exported(_merged(cfg, model, params), model, dict(info, kind="meta-train", what=which, merged_lora=True))
     if "params" in saved:  # a pretrain run: its parameters are the model
         if what not in (None, "inner"):
             raise ConfigError(f"export --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
@@ -125,16 +165,16 @@ def _from_workdir(workdir: str, what: str | None) -> Exported:
                        f"fine-tuned inner model: task {cfg.task!r} restarts every step from η; use --what meta")
             raise ConfigError(f"export --what {what}: {workdir} has no {missing}")
         part = _restore_part(state_dir, saved, key)
-        theta = (part["inner"] if key == "base" else part)[0]
-        return Exported(theta, model, dict(info, kind="meta-train", what=what))
+        return model_out((part["inner"] if key == "base" else part)[0], what)
+    if adapters:
+        raise ConfigError("export --adapters: only a LoRA run's inner model or baseline has adapters (--what inner)")
     meta = _restore_part(state_dir, saved, "meta")
-    if isinstance(meta, dict) and "embed" in meta:  # η is a model (MAML's initialisation)
-        meta_model = model
-    elif isinstance(meta, dict) and isinstance(meta.get("lm"), dict):  # loss weighting's scorer
-        meta_model, meta = model, meta["lm"]  # the scorer has the inner model's architecture
-    else:
-        meta_model = None
-    return Exported(meta, meta_model, dict(info, kind="meta-train", what="meta"))
+    if cfg.task == "maml":  # η is a model: MAML's initialisation (under LoRA: of the adapters)
+        return model_out(meta, "meta")
+    if isinstance(meta, dict) and isinstance(meta.get("lm"), dict):  # loss weighting's scorer
+        scorer = config_lib.meta_model_config(dataclasses.replace(cfg, model=model), check_vocab=False)
+        return Exported(meta["lm"], scorer or model, dict(info, kind="meta-train", what="meta"))
+    return Exported(meta, None, dict(info, kind="meta-train", what="meta"))
 
 
 def _from_export_dir(path: str, what: str | None) -> Exported:
@@ -150,22 +190,28 @@ def _from_export_dir(path: str, what: str | None) -> Exported:
     return Exported(params, model, info)
 
 
-def read_source(src: str, what: str | None = None) -> Exported:
+def read_source(src: str, what: str | None = None, adapters: bool = False) -> Exported:
     """The parameters of a run's work dir (`what`: inner | meta | baseline) or of an export / import dir."""
     if what is not None and what not in WHATS:
         raise ConfigError(f"export --what: {what!r} is not one of {WHATS}")
     if os.path.isfile(os.path.join(src, "export.json")):
+        if adapters:
+            raise ConfigError(f"export --adapters: {src} is an export dir; give the LoRA run's work dir")
         return _from_export_dir(src, what)
-    return _from_workdir(src, what)
+    return _from_workdir(src, what, adapters)
 
 
-def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax") -> tuple[str, str]:
+def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax",
+           adapters: bool = False) -> tuple[str, str]:
     """Write parameters out of `src` (a work dir or an export dir): `orbax` an export dir that `inner.init_from`
     accepts, `hf` a Hugging Face model dir. `what` defaults to inner for hf and to meta (pretrain runs: the model)
-    for orbax. Returns (the output dir, one line saying what was written)."""
+    for orbax. A LoRA run's model is merged into its base weights; `adapters` (orbax only) writes the adapters
+    alone. Returns (the output dir, one line saying what was written)."""
     if fmt not in FORMATS:
         raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
-    exported = read_source(src, what or ("inner" if fmt == "hf" else None))
+    if adapters and fmt != "orbax":
+        raise ConfigError("export --adapters: adapters alone are written as --format orbax; --format hf merges them")
+    exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
     out = os.path.abspath(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
     if fmt == "hf":
@@ -205,7 +251,7 @@ def import_hf(directory: str, out: str) -> tuple[str, ModelConfig]:
     return out, cfg
 
 
-def load_params(path: str, target):
+def load_params(path: str, target, field: str = "inner.init_from"):
     """Pretrained parameters from a `metatrain pretrain` work dir (its latest checkpoint) or an export
     directory, or a Hugging Face model dir (`hf:DIR`), restored onto `target` (ShapeDtypeStructs with shardings)."""
     if path.startswith(HF_PREFIX):
@@ -214,19 +260,19 @@ def load_params(path: str, target):
         _, params = hf.read(path[len(HF_PREFIX):], str(jax.tree.leaves(target)[0].dtype))
         state = jax.tree.map(lambda t: t, target)  # a copy of the target's structure to fill
         nnx.replace_by_pure_dict(state, params)
-        _check_matches(path, state, target)
+        _check_matches(path, state, target, field)
         return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target)
     if os.path.exists(os.path.join(path, "export.json")):
         with ocp.StandardCheckpointer() as checkpointer:
             params_dir = os.path.join(path, "params")
-            _check_matches(path, checkpointer.metadata(params_dir).item_metadata.tree, target)
+            _check_matches(path, checkpointer.metadata(params_dir).item_metadata.tree, target, field)
             return checkpointer.restore(params_dir, target)
     try:
         state_dir, _, saved = _latest_state(path)
     except DataError as e:
-        raise ConfigError(f"inner.init_from: {e}") from None
+        raise ConfigError(f"{field}: {e}") from None
     if "params" not in saved:
-        raise ConfigError(f"inner.init_from: {path} is not a `metatrain pretrain` work dir or an export dir (no "
+        raise ConfigError(f"{field}: {path} is not a `metatrain pretrain` work dir or an export dir (no "
                           f"'params' in its checkpoint, no export.json)")
-    _check_matches(path, saved["params"], target)
+    _check_matches(path, saved["params"], target, field)
     return _restore_part(state_dir, saved, "params", target)

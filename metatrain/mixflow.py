@@ -11,8 +11,10 @@ value is the same in every mode; what differs is how the *outer* reverse pass di
 - `revfwd`: the same custom VJP, with the backward pass computed reverse-over-forward:
   `grad_x <grad L(x), v>` where the inner directional derivative is a JVP.
 
-Integer inputs (token ids) get no cotangent. The loss value is returned too; its cotangent `c`
-contributes `c * dL/dx`, which the backward pass gets from the same JVP at no extra cost.
+Integer inputs (token ids) get no cotangent, nor do inputs named in `frozen_argnums` (e.g. the LoRA base
+weights: passed in, not closed over, since a custom VJP cannot close over traced values). The loss value
+is returned too; its cotangent `c` contributes `c * dL/dx`, which the backward pass gets from the same JVP
+at no extra cost.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def _is_primal(x) -> bool:
     return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
-def _split_floats(inputs):
-    """inputs (a tuple of pytrees) → (float leaves, a function rebuilding inputs from new float leaves)."""
+def _split_floats(inputs, frozen_argnums=()):
+    """inputs (a tuple of pytrees) → (the float leaves to differentiate, a function rebuilding inputs from new
+    values of those, one mapping their cotangents to the inputs' structure; None for the others)."""
     leaves, treedef = jax.tree.flatten(inputs)
-    mask = [_is_float(x) for x in leaves]
+    mask = [i not in frozen_argnums and _is_float(x) for i, part in enumerate(inputs) for x in jax.tree.leaves(part)]
 
     def rebuild(floats):
         it = iter(floats)
@@ -53,8 +56,10 @@ def _split_floats(inputs):
     return [x for x, m in zip(leaves, mask) if m], rebuild, cotangents
 
 
-def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow") -> Callable[..., Any]:
-    """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`."""
+def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
+                   frozen_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`. `frozen_argnums`:
+    positions in `inputs` that get no cotangent (never differentiated)."""
     if mode not in MODES:
         raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
     plain = jax.value_and_grad(loss_fn)
@@ -77,7 +82,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow") -> 
         # The loss value is usually a metric only: its cotangent is a symbolic zero, and then the
         # primal gradient need not be kept alive for the  ct_loss * dL/dx  term.
         ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
-        floats, rebuild, cotangents = _split_floats(inputs)
+        floats, rebuild, cotangents = _split_floats(inputs, frozen_argnums)
 
         def loss_of(p, fl):
             return loss_fn(p, *rebuild(fl))

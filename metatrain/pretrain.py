@@ -52,6 +52,10 @@ class Pretrainer(Trainer):
     kind = "pretrain"
 
     def _program(self) -> step_lib.Program:
+        if self.cfg.inner.lora.rank or self.cfg.meta_model.given:
+            field = "inner.lora.rank" if self.cfg.inner.lora.rank else "meta_model"
+            raise ConfigError(f"{field}: pretraining trains the whole model and has no meta model; LoRA and the "
+                              "scorer are meta-training settings (metatrain train)")
         return pretrain_program(self.cfg, self.mesh)
 
     def _compile(self, program: step_lib.Program):

@@ -48,6 +48,10 @@ class Run:
     def part(self, key: str):
         return export_lib._restore_part(self.state_dir, self.saved, key, export_lib.on_one_device(self.shapes[key]))
 
+    def frozen(self):
+        """The LoRA base weights the run trained on (None without LoRA)."""
+        return None if self.task.lora is None else export_lib.lora_base(self.cfg, self.cfg.model)
+
 
 def open_run(workdir: str) -> Run:
     state_dir, step, saved = export_lib._latest_state(workdir)
@@ -58,7 +62,7 @@ def open_run(workdir: str) -> Run:
     cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
     cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
-    task = make_task(cfg.task, model=cfg.model, inner_lr=cfg.inner_lr)
+    task = make_task(cfg.task, **step_lib.task_arguments(cfg))
     meta_opt = step_lib.meta_optimizer(cfg.meta_opt, cfg.steps)
     shapes = jax.eval_shape(lambda k: step_lib.init_state(task, meta_opt, cfg.baseline == "uniform", k),
                             jax.random.key(0))
@@ -156,12 +160,16 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     if max_docs:
         ids = ids[:max_docs]
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
-    loss = jax.jit(run.task.example_losses)
+    frozen = run.frozen()
+    per_example = jax.jit(lambda theta, fr, b: run.task.with_frozen(fr).example_losses(theta, b))
+    loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
     theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
     models = [("inner model (fine-tuned)", lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0])]
     if run.saved.get("base") is not None:
         models.append(("uniform baseline", lambda: run.part("base")["inner"][0]))
-    if cfg.inner.init_from:
+    if cfg.inner.init_from and run.task.lora is not None:  # fresh adapters (B = 0): the base model itself
+        models.append(("starting model", lambda: run.task.init_params(jax.random.key(0))))
+    elif cfg.inner.init_from:
         target = export_lib.on_one_device(theta_shapes)
         models.append(("starting model", lambda: export_lib.load_params(cfg.inner.init_from, target)))
     results = []

@@ -10,7 +10,9 @@ runs (the pattern of maxtext's `train_compile.py`).
 
 State is a dict pytree: `step`, `meta` (η), `meta_opt`, `inner` (θ, υ) carried between outer steps
 (None for tasks that restart from η), and with `baseline=uniform` a second inner state `base` trained
-on the same batches with η frozen at its initial value (for loss weighting: exactly uniform weights).
+on the same batches with η frozen (`Task.baseline_meta`; for loss weighting: exactly uniform weights).
+Under LoRA `frozen` holds the base weights: an FSDP-sharded argument of the step, returned unchanged
+(donated, so aliased: no copy), never differentiated, and not written to checkpoints (`checkpointed`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from metatrain.config import Config, MetaOptConfig
+from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig
 from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
 from metatrain.tasks import Task, make_task
@@ -60,14 +62,22 @@ def init_state(task: Task, meta_opt: optax.GradientTransformation, baseline: boo
     inner = None if task.resets_inner else task.init_inner(k_inner, meta)
     state = {"step": jnp.zeros((), jnp.int32), "meta": meta, "meta_opt": meta_opt.init(meta), "inner": inner}
     if baseline:
-        state["base"] = {"meta": meta, "inner": task.init_inner(k_inner, meta)}
+        state["base"] = {"meta": task.baseline_meta(meta), "inner": task.init_inner(k_inner, meta)}
+    if task.lora is not None:
+        state["frozen"] = task.init_frozen(k_inner)
     return state
+
+
+def checkpointed(state: State) -> State:
+    """The part of the state a checkpoint holds: all but the frozen LoRA base (rebuilt from `inner.init_from`)."""
+    return {k: v for k, v in state.items() if k != "frozen"}
 
 
 def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformation, state: State,
                batches: dict, outer_batch: dict) -> tuple[State, dict]:
     """T inner steps, the outer loss, its meta-gradient and the meta-update. The update is kept only when the
     loss, the meta-gradient and the updated η and meta-optimizer state are all finite."""
+    task = task.with_frozen(state.get("frozen"))
     (value, aux), grad = meta_value_and_grad(task, method)(state["meta"], state["inner"], batches, outer_batch)
     grad_norm = optax.tree.norm(grad)
     updates, new_opt = meta_opt.update(grad, state["meta_opt"], state["meta"])
@@ -76,6 +86,8 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
     new = {"step": state["step"] + 1, "meta": keep_if(ok, new_meta, state["meta"]),
            "meta_opt": keep_if(ok, new_opt, state["meta_opt"]),
            "inner": None if task.resets_inner else keep_if(ok, aux.inner, state["inner"])}
+    if "frozen" in state:
+        new["frozen"] = state["frozen"]
     metrics = {"outer_loss": value, "inner_loss": aux.inner_losses.mean(), "meta_grad_norm": grad_norm, "finite": ok}
     if "base" in state:
         base_value, base_aux = outer_loss(task, method)(state["base"]["meta"], state["base"]["inner"], batches,
@@ -86,11 +98,24 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
 
 
 def place_pretrained(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
-    """The state with pretrained inner-model parameters in place (`inner.init_from`); see `Task.place_pretrained`."""
+    """The state with pretrained inner-model parameters in place (`inner.init_from`): under LoRA the frozen base,
+    else see `Task.place_pretrained`."""
+    if task.lora is not None:
+        return dict(state, frozen=params)
     meta, inner = task.place_pretrained(params, state["meta"], state["inner"])
     new = dict(state, meta=meta, inner=inner, meta_opt=meta_opt.init(meta))
     if "base" in state:
-        new["base"] = {"meta": meta, "inner": task.place_pretrained(params, meta, state["base"]["inner"])[1]}
+        new["base"] = {"meta": task.baseline_meta(meta),
+                       "inner": task.place_pretrained(params, meta, state["base"]["inner"])[1]}
+    return new
+
+
+def place_scorer(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
+    """The state with a pretrained meta model in η (`meta_model.init_from`); see `LossWeighting.place_scorer`."""
+    meta = task.place_scorer(params, state["meta"])
+    new = dict(state, meta=meta, meta_opt=meta_opt.init(meta))
+    if "base" in state:
+        new["base"] = dict(state["base"], meta=task.baseline_meta(meta))
     return new
 
 
@@ -120,12 +145,24 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
                  inner_checkpoint: str | None = None) -> Program:
     """The meta-training program of a run config (the one place config becomes task, optimizer and method).
     `mode` / `inner_checkpoint` override the config's (mode=auto tries each); `cfg.model` is used as given."""
-    task = make_task(cfg.task, model=cfg.model, inner_lr=cfg.inner_lr)
+    task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
     method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint)
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
                    step=functools.partial(outer_step, task, method, meta_opt), mesh=mesh, data=cfg.data,
                    meta_opt=meta_opt, method=method)
+
+
+def task_arguments(cfg: Config) -> dict:
+    """The task's constructor arguments: the model and inner_lr; a separate meta model and LoRA only when asked for
+    (a user's task that does not take them is not given them)."""
+    args = {"model": cfg.model, "inner_lr": cfg.inner_lr}
+    meta_model = meta_model_config(cfg)
+    if meta_model is not None:
+        args["meta_model"] = meta_model
+    if cfg.inner.lora.rank > 0:
+        args["lora"] = cfg.inner.lora
+    return args
 
 
 def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None) -> Batches:

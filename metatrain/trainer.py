@@ -73,6 +73,8 @@ class Trainer:
         self.state = step_lib.init(self.program, jax.random.key(cfg.seed))
         if cfg.inner.init_from:  # before the long compile: a checkpoint that does not fit is refused at once
             self.state = self._load_pretrained(cfg.inner.init_from)
+        if cfg.meta_model.init_from:
+            self.state = self._load_scorer(cfg.meta_model.init_from)
         self.program, self.compiled = self._compile(self.program)
         self.memory = compiled_memory(self.compiled)
         if self.is_main:
@@ -82,7 +84,8 @@ class Trainer:
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         self._replicated = replicated(self.mesh)
-        self._eval_loss = jax.jit(lambda theta, b: self.task.example_losses(theta, b).mean(),
+        self._eval_loss = jax.jit(lambda theta, frozen, b:
+                                  self.task.with_frozen(frozen).example_losses(theta, b).mean(),
                                   out_shardings=self._replicated)
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
@@ -93,7 +96,8 @@ class Trainer:
         """The meta-training program, its task contract checked on shapes before anything compiles."""
         program = step_lib.meta_program(self.cfg, self.mesh)
         shapes = program.state_shapes
-        validate(program.task, shapes["meta"], shapes["inner"], step_lib.batch_specs(self.cfg.data)[1])
+        validate(program.task, shapes["meta"], shapes["inner"], step_lib.batch_specs(self.cfg.data)[1],
+                 shapes.get("frozen"))
         return program
 
     def _compile(self, program: step_lib.Program) -> tuple[step_lib.Program, jax.stages.Compiled]:
@@ -115,13 +119,29 @@ class Trainer:
             json.dump(payload, f, indent=1)
 
     def _load_pretrained(self, path: str):
-        """The inner model (η for tasks that restart from it) from pretrained parameters at `path`."""
+        """The inner model (η for tasks that restart from it; the frozen base under LoRA) from pretrained parameters at
+        `path`."""
         from metatrain.export import load_params
 
-        which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
+        if self.task.lora is not None:
+            which = lambda s: s["frozen"]
+        else:
+            which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
         target = abstract(which(self.state), which(self.program.state_shardings))
         params = load_params(path, target)
         place = lambda state, params: step_lib.place_pretrained(self.task, self.program.meta_opt, state, params)
+        return jax.jit(place, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
+
+    def _load_scorer(self, path: str):
+        """The meta model from pretrained parameters at `path` (`meta_model.init_from`)."""
+        from metatrain.export import load_params
+
+        if not hasattr(self.task, "place_scorer"):
+            raise ConfigError(f"meta_model.init_from: task {self.cfg.task!r} has no meta model to start from "
+                              f"{path} (loss_weighting has one)")
+        target = abstract(self.state["meta"]["lm"], self.program.state_shardings["meta"]["lm"])
+        params = load_params(path, target, field="meta_model.init_from")
+        place = lambda state, params: step_lib.place_scorer(self.task, self.program.meta_opt, state, params)
         return jax.jit(place, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
     def _global_batches(self):
@@ -137,7 +157,8 @@ class Trainer:
     def validation_loss(self, which: str = "inner") -> float:
         """Mean next-token loss of the inner model on held-out test documents (cfg.eval_batches batches).
         For tasks that restart from η (MAML) the inner model is η itself."""
-        return float(np.mean([self._eval_loss(self._theta(which), b) for b in self._test_batches()]))
+        frozen = self.state.get("frozen")
+        return float(np.mean([self._eval_loss(self._theta(which), frozen, b) for b in self._test_batches()]))
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
@@ -232,16 +253,18 @@ class Trainer:
     def save(self) -> None:
         """Start an async save of the state and both data streams' positions (a step saved already is skipped)."""
         step = int(self.state["step"])
-        saved = self.checkpoints.save(step, {"state": ocp.args.StandardSave(self.state), **self.streams.save_args(),
+        saved = self.checkpoints.save(step, {"state": ocp.args.StandardSave(step_lib.checkpointed(self.state)),
+                                             **self.streams.save_args(),
                                              "config": ocp.args.JsonSave({"yaml": config_lib.to_yaml(self.cfg)})})
         if saved and self.log is not None:
             self.log.sync()
 
     def restore(self) -> int:
-        """The state and data positions of the newest intact checkpoint; returns its step."""
-        target = abstract(self.state, self.program.state_shardings)
+        """The state and data positions of the newest intact checkpoint; returns its step. The frozen LoRA base is
+        not in checkpoints: the one built at start-up (from `inner.init_from`) stays."""
+        target = abstract(step_lib.checkpointed(self.state), step_lib.checkpointed(self.program.state_shardings))
         step, restored = self.checkpoints.restore(target, self.streams.restore_args())
-        self.state = restored["state"]
+        self.state = dict(restored["state"], **({"frozen": self.state["frozen"]} if "frozen" in self.state else {}))
         return step
 
     def release(self) -> None:

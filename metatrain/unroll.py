@@ -61,11 +61,13 @@ jax.tree_util.register_dataclass(OuterAux, data_fields=["inner", "inner_losses"]
 
 def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
-    inner_value_and_grad = mixflow.value_and_grad(task.inner_loss, method.mode)
+    # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
+    inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
+    inner_value_and_grad = mixflow.value_and_grad(inner_loss, method.mode, frozen_argnums=(2,))
 
     def step(carry, batch, meta):
         theta, opt_state = carry
-        loss, grads = inner_value_and_grad(theta, meta, batch)
+        loss, grads = inner_value_and_grad(theta, meta, batch, task.frozen)
         if method.save_inner_grads:
             grads = jax.tree.map(lambda g: checkpoint_name(g, INNER_GRADS), grads)
         return task.update(grads, theta, opt_state, meta), loss

@@ -7,20 +7,22 @@ import jax
 from flax import nnx
 
 from metatrain.models.config import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS, ModelConfig, param_count, preset
+from metatrain.models.lora import LoRAConfig, split_adapters
 from metatrain.models.transformer import Transformer, next_token_loss
 
 
-def init(cfg: ModelConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
-    """Builds the model and splits it once: a static graphdef and a pytree of parameters."""
-    model = Transformer(cfg, rngs=nnx.Rngs(params=key))
+def init(cfg: ModelConfig, key: jax.Array, lora: LoRAConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Builds the model and splits it once: a static graphdef and a pytree of parameters (LoRA adapters included
+    when `lora.rank > 0`; `split_adapters` separates them)."""
+    model = Transformer(cfg, lora, rngs=nnx.Rngs(params=key))
     return nnx.split(model)
 
 
-def abstract_init(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_init(cfg: ModelConfig, lora: LoRAConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """Like `init`, but with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    model = nnx.eval_shape(lambda: Transformer(cfg, lora, rngs=nnx.Rngs(params=0)))
     return nnx.split(model)
 
 
-__all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "ModelConfig", "Transformer", "abstract_init", "init",
-           "next_token_loss", "param_count", "preset"]
+__all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "LoRAConfig", "ModelConfig", "Transformer", "abstract_init",
+           "init", "next_token_loss", "param_count", "preset", "split_adapters"]

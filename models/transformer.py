@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metatrain.models.config import ModelConfig
+from metatrain.models.lora import ATTENTION_TARGETS, LoRAConfig, adapter, low_rank
 
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
@@ -137,9 +138,9 @@ def blockwise_attention(q, k, v, segment_ids, block: int):
 
 class Attention(nnx.Module):
     """Multi-head attention; with `n_kv_heads < n_heads` grouped-query (query head i reads key/value head
-    i // (n_heads / n_kv_heads), as in Llama and Qwen2)."""
+    i // (n_heads / n_kv_heads), as in Llama and Qwen2). With `lora`, adapters on its targets among q, k, v, o."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, *, rngs: nnx.Rngs):
         d, h, g, k, dt = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.dtype
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2))
         self.wq = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), dt)
@@ -154,9 +155,24 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
         self.cfg = cfg
         self.kind, self.block = cfg.attention, cfg.attention_block
+        self.lora = tuple(t for t in lora.target_set if t in ATTENTION_TARGETS) if lora else ()
+        self.lora_scale = lora.scale if lora else 0.0
+        shapes = {"q": ((h, k), ("heads", "kv")), "k": ((g, k), ("kv_heads", "kv")), "v": ((g, k), ("kv_heads", "kv"))}
+        for name in self.lora:
+            ins, outs = (((h, k), ("heads", "kv")), ((d,), ("embed",))) if name == "o" else (((d,), ("embed",)),
+                                                                                              shapes[name])
+            a, b = adapter(rngs, *ins, *outs, lora.rank, dt)
+            setattr(self, f"lora_{name}_a", a)
+            setattr(self, f"lora_{name}_b", b)
+
+    def _adapted(self, y, x, name, n_in=1):  # y + the low-rank update of projection `name` applied to x
+        if name not in self.lora:
+            return y
+        return y + low_rank(x, getattr(self, f"lora_{name}_a"), getattr(self, f"lora_{name}_b"), self.lora_scale,
+                            n_in)
 
     def _project(self, x, name):  # [batch, seq, d_model] -> [batch, seq, heads, k]
-        y = jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype))
+        y = self._adapted(jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype)), x, name)
         return y + getattr(self, "b" + name)[...].astype(x.dtype) if self.cfg.qkv_bias else y
 
     def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
@@ -171,38 +187,54 @@ class Attention(nnx.Module):
             out = blockwise_attention(q, k, v, segment_ids, self.block)
         else:
             out = dense_attention(q, k, v, attention_mask(segment_ids))
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype))
+        return self._adapted(jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, "o", n_in=2)
 
 
 class MLP(nnx.Module):
     """GELU: w_out(gelu(w_in x)). SwiGLU: w_out(silu(w_gate x) * w_in x) (Hugging Face's up_proj = w_in,
-    gate_proj = w_gate, down_proj = w_out)."""
+    gate_proj = w_gate, down_proj = w_out). With `lora`, adapters on its targets among up, gate, down."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    NAMES = {"up": "w_in", "gate": "w_gate", "down": "w_out"}
+
+    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
         self.w_in = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
         if cfg.mlp == "swiglu":
             self.w_gate = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
         self.w_out = _param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.dtype)
         self.kind = cfg.mlp
+        self.lora = tuple(t for t in lora.target_set if t in self.NAMES and (t != "gate" or cfg.mlp == "swiglu")
+                          ) if lora else ()
+        self.lora_scale = lora.scale if lora else 0.0
+        model, ff = ((cfg.d_model,), ("embed",)), ((cfg.d_ff,), ("mlp",))
+        for name in self.lora:
+            a, b = adapter(rngs, *(ff + model if name == "down" else model + ff), lora.rank, cfg.dtype)
+            setattr(self, f"lora_{name}_a", a)
+            setattr(self, f"lora_{name}_b", b)
+
+    def _matmul(self, x, name):  # x @ W (+ its low-rank update)
+        y = x @ getattr(self, self.NAMES[name])[...].astype(x.dtype)
+        if name not in self.lora:
+            return y
+        return y + low_rank(x, getattr(self, f"lora_{name}_a"), getattr(self, f"lora_{name}_b"), self.lora_scale)
 
     def __call__(self, x):  # [batch, seq, d_model]
-        h = x @ self.w_in[...].astype(x.dtype)  # [batch, seq, d_ff]
+        h = self._matmul(x, "up")  # [batch, seq, d_ff]
         if self.kind == "swiglu":
-            h = jax.nn.silu(x @ self.w_gate[...].astype(x.dtype)) * h
+            h = jax.nn.silu(self._matmul(x, "gate")) * h
         else:
             h = jax.nn.gelu(h)
-        return h @ self.w_out[...].astype(x.dtype)
+        return self._matmul(h, "down")
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, lora, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, lora, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
@@ -211,9 +243,11 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     """Decoder-only transformer. `__call__(tokens)` gives logits [batch, seq, vocab] for `head="lm"`
-    and one score per example [batch] for `head="score"` (mean over the sequence's valid positions)."""
+    and one score per example [batch] for `head="score"` (mean over the sequence's valid positions). With `lora`
+    (rank > 0) each block also holds LoRA adapters (`nnx.LoRAParam`, see `lora.py`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, *, rngs: nnx.Rngs):
+        lora = lora if lora is not None and lora.rank > 0 else None
         self.cfg = cfg
         embed_init = nnx.initializers.normal(cfg.d_model**-0.5)
         self.embed = _param(rngs, embed_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.dtype)
@@ -221,7 +255,7 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+            return Block(cfg, lora, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)

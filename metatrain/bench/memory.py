@@ -58,7 +58,10 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None) -> dict:
            "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
            # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
            "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
-           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints}
+           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints,
+           # LoRA: θ is the adapters; the frozen base weights are an argument of the step
+           "lora_rank": cfg.inner.lora.rank, "frozen_bytes": _on_device(state.get("frozen"), mesh),
+           "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"]
     report = compile_report(cfg, topology, built)
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",

@@ -15,7 +15,7 @@ from metatrain import config as config_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
-from metatrain.models import ModelConfig
+from metatrain.models import LoRAConfig, ModelConfig
 from metatrain.tasks import Task, make_task
 from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 
@@ -90,6 +90,10 @@ def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_st
     return variant.apply(cfg) if variant else cfg
 
 
-def build_task(task: str, model: ModelConfig, remat: bool, inner_lr: float = 1e-2) -> Task:
-    """The task with block remat set on the inner model and on its meta model alike."""
-    return make_task(task, model=model.replace(remat=remat), inner_lr=inner_lr, meta_model=model.replace(remat=remat))
+def build_task(task: str, model: ModelConfig, remat: bool, inner_lr: float = 1e-2, lora: LoRAConfig | None = None,
+               meta_model: ModelConfig | None = None) -> Task:
+    """The task with block remat set on the inner model and on its meta model alike (LoRA adapters on the inner
+    model when `lora.rank > 0`; the meta model is the inner model's architecture unless given)."""
+    extra = {"lora": lora} if lora is not None and lora.rank > 0 else {}
+    return make_task(task, model=model.replace(remat=remat), inner_lr=inner_lr,
+                     meta_model=(meta_model or model).replace(remat=remat), **extra)

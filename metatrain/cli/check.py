@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from metatrain.cli import common
 from metatrain.mixflow import MODES
 
 
 def cmd_check_grads(args) -> int:
     from metatrain import checkgrads
+    from metatrain.config import load, meta_model_config
 
     model, data = common.model(args), common.data_shapes(args)
+    cfg = load(None, [f"task={args.task}", *args.overrides])  # inner.lora.*, meta_model.*: as a run would take them
+    cfg = dataclasses.replace(cfg, model=model)
+    lora = cfg.inner.lora if cfg.inner.lora.rank > 0 else None
     print(f"check-grads: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}, "
-          f"V={model.vocab_size}) T={data.inner_steps} B={data.batch} S={data.seq_len}, float64")
+          f"V={model.vocab_size}) T={data.inner_steps} B={data.batch} S={data.seq_len}, float64"
+          + (f", LoRA rank {lora.rank} on {lora.targets}" if lora else ""))
     results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
                                      modes=tuple(args.modes.split(",")), inner_checkpoint=args.inner_checkpoint,
                                      only=common.variants(args, args.variants) if args.variants else None,
-                                     progress=common.progress)
+                                     progress=common.progress, lora=lora, meta_model=meta_model_config(cfg))
     print(f"{'variant':<22} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
     for r in results:
         print(f"{r.variant:<22} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
@@ -47,4 +54,6 @@ def register(sub) -> None:
     p.add_argument("--variants", default=None,
                    help="check just these variants (comma list, e.g. mixflow+remat+save,revfwd+sqrt) instead of "
                         "every mode x remat x save; plain reverse-over-reverse is always the reference")
+    p.add_argument("overrides", nargs="*", help="run-config overrides the check takes: inner.lora.rank=4 "
+                                                "(inner.lora.alpha, inner.lora.targets), meta_model.*")
     p.set_defaults(fn=cmd_check_grads)

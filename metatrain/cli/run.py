@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from metatrain.export import export
 
-    out, what = export(args.src, args.out, args.what, args.format)
+    out, what = export(args.src, args.out, args.what, args.format, args.adapters)
     print(f"wrote {out}: {what}")
     return 0
 
@@ -148,6 +148,8 @@ def register(sub) -> None:
                    help="orbax: an export dir for inner.init_from; hf: config.json + model.safetensors (+ tokenizer "
                         "files) that transformers loads")
     p.add_argument("--out", default=None, help="output dir (default SRC/export or SRC/hf)")
+    p.add_argument("--adapters", action="store_true",
+                   help="a LoRA run: write the adapters alone (orbax); without it the model is merged into its base")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("import", help="bring a pretrained model in")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")

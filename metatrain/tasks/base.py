@@ -20,10 +20,16 @@ opt)`                                  one by default (truncated BPTT); MAML: θ
 A batch is a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`
 (same shape) and per-example fields. `self.example_losses(theta, batch)` gives the next-token loss
 per example. Every method must be a pure function of its arguments (it is traced by JAX).
+
+With LoRA (`inner.lora.rank > 0`) θ is the adapters alone; the base weights are a frozen argument of
+the outer step that the framework binds to the task (`with_frozen`) before calling its methods, and
+`self.inner_model(theta)` / `self.example_losses(theta, batch)` apply base + adapters. A task that
+builds θ itself should start from `self.init_params(key)`, which gives the adapters under LoRA.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -33,7 +39,7 @@ from flax import nnx
 
 from metatrain import models
 from metatrain.errors import TaskError
-from metatrain.models import ModelConfig
+from metatrain.models import LoRAConfig, ModelConfig, split_adapters
 
 Pytree = Any
 
@@ -51,19 +57,22 @@ class Task:
     # `inner_start` gets `inner=None`. False: the inner state (θ, υ) is carried from step to step.
     resets_inner: bool = False
 
-    def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None):
+    def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None,
+                 lora: LoRAConfig | None = None):
         self.model = model
         self.meta_model = meta_model or model
         self.inner_lr = inner_lr
-        self.graphdef, _ = models.abstract_init(model)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.graphdef, _ = models.abstract_init(model, self.lora)
         self.inner_opt = optax.adam(inner_lr, eps_root=1e-8)
+        self.frozen = None  # the LoRA base weights, bound inside the traced step by `with_frozen`
 
     # ---- the five pieces -------------------------------------------------------------------
     def init_meta(self, key: jax.Array) -> Pytree:
         raise NotImplementedError(f"task {self.name!r} must define init_meta(key)")
 
     def init_inner(self, key: jax.Array, meta: Pytree) -> tuple[Pytree, Pytree]:
-        _, theta = models.init(self.model, key)
+        theta = self.init_params(key)
         return theta, self.inner_opt.init(theta)
 
     def inner_start(self, meta: Pytree, inner: tuple[Pytree, Pytree]) -> tuple[Pytree, Pytree]:
@@ -82,10 +91,40 @@ class Task:
     def place_pretrained(self, params: Pytree, meta: Pytree, inner
                          ) -> tuple[Pytree, tuple[Pytree, Pytree] | None]:
         """Put pretrained inner-model parameters in place (`inner.init_from`): tasks that restart from η
-        (MAML) take them as η, the others as θ with a fresh inner optimiser state. Returns (meta, inner)."""
+        (MAML) take them as η, the others as θ with a fresh inner optimiser state. Returns (meta, inner).
+        Not called under LoRA: the pretrained weights are then the frozen base."""
         if self.resets_inner:
             return params, inner
         return meta, (params, self.inner_opt.init(params))
+
+    def baseline_meta(self, meta: Pytree) -> Pytree:
+        """η of the `baseline=uniform` run, trained on the same batches with η frozen: η itself by default."""
+        return meta
+
+    # ---- the inner model -------------------------------------------------------------------
+    def init_params(self, key: jax.Array) -> Pytree:
+        """Fresh inner-model parameters θ: the whole model, or under LoRA its adapters (B = 0: base behaviour)."""
+        _, params = models.init(self.model, key, self.lora)
+        return params if self.lora is None else split_adapters(params)[1]
+
+    def init_frozen(self, key: jax.Array) -> Pytree | None:
+        """The LoRA base weights (random from `key`, until `inner.init_from` replaces them); None without LoRA."""
+        return None if self.lora is None else split_adapters(models.init(self.model, key, self.lora)[1])[0]
+
+    def with_frozen(self, frozen: Pytree | None) -> Task:
+        """A shallow copy of the task whose inner model applies θ on the base weights `frozen` (LoRA)."""
+        bound = copy.copy(self)
+        bound.frozen = frozen
+        return bound
+
+    def inner_model(self, theta: Pytree) -> nnx.Module:
+        """The inner model with parameters θ (on the bound base weights under LoRA)."""
+        if self.lora is None:
+            return nnx.merge(self.graphdef, theta)
+        if self.frozen is None:
+            raise TaskError(f"task {self.name!r}: LoRA adapters need the base weights; call "
+                            "task.with_frozen(state['frozen']) first")
+        return nnx.merge(self.graphdef, self.frozen, theta)
 
     # ---- helpers ---------------------------------------------------------------------------
     def example_losses(self, theta: Pytree, batch: dict) -> jax.Array:
@@ -93,7 +132,7 @@ class Task:
         tokens = batch["tokens"]
         seg = batch.get("segment_ids")
         pos = batch.get("positions")
-        logits = nnx.merge(self.graphdef, theta)(
+        logits = self.inner_model(theta)(
             tokens[:, :-1], None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
         return models.next_token_loss(logits, tokens[:, 1:], None if seg is None else seg[:, 1:])
 
@@ -103,8 +142,9 @@ def _describe(tree) -> str:
     return f"{len(leaves)} leaves" if len(leaves) > 3 else str([(x.shape, str(x.dtype)) for x in leaves])
 
 
-def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict) -> None:
-    """Checks the task contract abstractly (`jax.eval_shape`: no compute) and raises `TaskError`."""
+def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict, frozen: Pytree = None) -> None:
+    """Checks the task contract abstractly (`jax.eval_shape`: no compute) and raises `TaskError`. `frozen`: the
+    LoRA base weights (or their shapes), bound to the task as the outer step binds them."""
     name = getattr(task, "name", type(task).__name__)
 
     def fail(msg):
@@ -117,9 +157,9 @@ def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict
     if not jax.tree.leaves(meta):
         fail("init_meta returned no arrays: there is nothing to meta-learn")
 
-    def call(what, fn, *args):
+    def call(what, method, *args):
         try:
-            return jax.eval_shape(fn, *args)
+            return jax.eval_shape(lambda fr, *a: getattr(task.with_frozen(fr), method)(*a), frozen, *args)
         except TaskError:
             raise
         except Exception as e:  # noqa: BLE001 — re-raised with the task's name and the method
@@ -127,14 +167,13 @@ def validate(task: Task, meta: Pytree, inner: tuple[Pytree, Pytree], batch: dict
 
     if not isinstance(getattr(type(task), "resets_inner", None), bool):
         fail("resets_inner must be a class attribute True or False (True: every outer step restarts from η)")
-    theta, opt_state = call("inner_start(meta, inner)", task.inner_start, meta, None if task.resets_inner else inner)
-    for what, fn, args in (("inner_loss", task.inner_loss, (theta, meta, batch)),
-                           ("outer_loss", task.outer_loss, (theta, meta, batch))):
-        out = call(f"{what}(theta, meta, batch)", fn, *args)
+    theta, opt_state = call("inner_start(meta, inner)", "inner_start", meta, None if task.resets_inner else inner)
+    for what, args in (("inner_loss", (theta, meta, batch)), ("outer_loss", (theta, meta, batch))):
+        out = call(f"{what}(theta, meta, batch)", what, *args)
         if not hasattr(out, "shape") or out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
             fail(f"{what} must return a floating-point scalar, got {getattr(out, 'shape', type(out))} "
                  f"{getattr(out, 'dtype', '')}; reduce it, e.g. with .mean()")
-    new_theta, new_opt = call("update(grads, theta, opt_state, meta)", task.update, theta, theta, opt_state, meta)
+    new_theta, new_opt = call("update(grads, theta, opt_state, meta)", "update", theta, theta, opt_state, meta)
     for what, old, new in (("theta", theta, new_theta), ("optimizer state", opt_state, new_opt)):
         if jax.tree.structure(old) != jax.tree.structure(new):
             fail(f"update must return {what} with the same structure as it was given")

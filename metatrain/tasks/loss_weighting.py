@@ -11,6 +11,9 @@ logits see token order from the first step (bigrams through the tied embedding),
 head must first grow attention features. In the main job (shuffled documents) this is the
 difference between an AUC of ~0.6 and ~0.97 in 300 steps. With η at its random start the scores
 are nearly equal, so training starts from almost uniform weights.
+
+The meta model is `meta_model` (by default the inner model's architecture, never with LoRA adapters): a
+small scorer for a big inner model, optionally pretrained (`meta_model.init_from`, see `place_scorer`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ class LossWeighting(Task):
 
     def init_meta(self, key: jax.Array) -> Pytree:
         return {"lm": models.init(self.meta_model, key)[1], "log_temperature": jnp.zeros((), self.meta_model.dtype)}
+
+    def place_scorer(self, params: Pytree, meta: Pytree) -> Pytree:
+        """η with pretrained meta-model parameters in place (`meta_model.init_from`)."""
+        return dict(meta, lm=params)
+
+    def baseline_meta(self, meta: Pytree) -> Pytree:
+        """exp(τ) underflows to 0: every score is 0 and every weight exactly 1, whatever the meta model."""
+        return dict(meta, log_temperature=jnp.full_like(meta["log_temperature"], -1e4))
 
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
         """exp(τ) · mean log-likelihood of each example under the meta model: [batch]. Higher → more weight."""

@@ -1,10 +1,10 @@
-"""MAML (Finn et al., 2017): η is the inner model's initialisation, θ0 = η at every outer step."""
+"""MAML (Finn et al., 2017): η is the inner model's initialisation, θ0 = η at every outer step.
+Under LoRA η is the adapters' initialisation (the base weights stay frozen)."""
 
 from __future__ import annotations
 
 import jax
 
-from metatrain import models
 from metatrain.tasks.base import Pytree, Task
 
 
@@ -13,7 +13,7 @@ class MAML(Task):
     resets_inner = True
 
     def init_meta(self, key: jax.Array) -> Pytree:
-        return models.init(self.model, key)[1]
+        return self.init_params(key)
 
     def init_inner(self, key: jax.Array, meta: Pytree) -> tuple[Pytree, Pytree]:
         return self.inner_start(meta, None)

@@ -16,16 +16,18 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
 # Between them the check-grads tests here and in test_tasks.py run each mode with and without block remat and
 # saved gradients, on some task (the CLI runs in docs/benchmarks.md cover all 12 variants on each task); plain
 # reverse-over-reverse is always the reference. float64 stays inside the check.
-@pytest.mark.parametrize("task, names, model", [
-    ("learned_lr", "default+remat,mixflow+save,revfwd+remat", "tiny"),
-    ("loss_weighting", "mixflow+remat+save,revfwd+save", "tiny"),
-    # SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE (all 12 variants per task: docs)
-    ("maml", "mixflow+remat+save,revfwd+remat", "tiny-llama"),
+@pytest.mark.parametrize("task, names, model, lora, scorer", [
+    ("learned_lr", "default+remat,mixflow+save", "tiny", 0, None),
+    # LoRA adapters as θ on a frozen base, weighted by a separate one-layer scorer
+    ("loss_weighting", "mixflow+remat+save,revfwd+save", "tiny", 2, models.preset("tiny", n_layers=1, d_model=8)),
+    # LoRA on SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE: η = the adapters' start
+    ("maml", "mixflow+remat+save,revfwd+remat", "tiny-llama", 4, None),
 ])
 @pytest.mark.slow
-def test_builtin_tasks(task, names, model):
+def test_builtin_tasks(task, names, model, lora, scorer):
     only = [parse_variant(n) for n in names.split(",")]
-    results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only)
+    results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only,
+                                     lora=models.LoRAConfig(rank=lora) if lora else None, meta_model=scorer)
     assert not jax.config.jax_enable_x64
     assert [r.variant for r in results] == ["default", *names.split(",")]
     for r in results:

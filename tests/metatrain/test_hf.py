@@ -156,19 +156,36 @@ def test_missing_dir_and_chinchilla_export_give_one_line(shared_run, tmp_path, c
 
 @pytest.mark.slow
 def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
-    """inner.init_from=hf:DIR: model and tokenizer follow the checkpoint; the fine-tuned θ and the baseline's θ come
-    out as Hugging Face dirs that transformers loads, each moved away from the start."""
+    """inner.init_from=hf:DIR with LoRA adapters on every projection: model and tokenizer follow the checkpoint; the
+    fine-tuned model and the baseline's come out merged (W + scale·A·B) as Hugging Face dirs that transformers loads,
+    each moved away from the start, the fine-tuned one equal to the adapted model the run trained; the adapters
+    alone come out as an orbax export dir. The scorer starts from the same checkpoint (meta_model.init_from)."""
+    import jax
+
+    from metatrain import scores
+
     directory, tokens, expected = checkpoints["qwen2-bias-gqa"]
     run = tmp_path / "run"
     args = ["train", f"inner.init_from=hf:{directory}", "steps=2", "data.seq_len=16", "data.batch=4",
             "data.shuffle_window=256", "eval_batches=1", "log_every=1", "inner_lr=0.01", "baseline=uniform",
-            f"workdir={run}"]
+            "inner.lora.rank=4", f"meta_model.init_from=hf:{directory}", f"workdir={run}"]
     assert cli.main(args) == 0, capsys.readouterr().err[-2000:]
     assert f"hf:{directory}" in (run / "config.yaml").read_text()  # the tokenizer followed the checkpoint
     for what in ("inner", "baseline"):
         out = tmp_path / what
         assert cli.main(["export", str(run), "--what", what, "--format", "hf", "--out", str(out)]) == 0
         model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-        moved = np.abs(_logits(model, tokens) - expected).max()
+        logits = _logits(model, tokens)
+        moved = np.abs(logits - expected).max()
         assert np.isfinite(moved) and moved > 1e-3, (what, moved)
+        if what == "inner":
+            opened = scores.open_run(str(run))
+            adapted = opened.task.with_frozen(opened.frozen()).inner_model(opened.part("inner")[0])
+            ours = np.asarray(adapted(jax.numpy.asarray(tokens)))[..., :logits.shape[-1]]
+            np.testing.assert_allclose(logits, ours, atol=1e-4, rtol=1e-4)
+    assert cli.main(["export", str(run), "--adapters", "--out", str(tmp_path / "adapters")]) == 0
+    saved = json.loads((tmp_path / "adapters" / "export.json").read_text())
+    scorer = opened.part("base")["meta"]["lm"]  # the baseline keeps η's start: the pretrained scorer
+    np.testing.assert_array_equal(np.asarray(scorer["embed"]), hf.read(str(directory))[1]["embed"])
+    assert saved["lora"]["rank"] == 4 and saved["model"] is None and saved["base"] == f"hf:{directory}"
     assert (tmp_path / "inner" / "tokenizer.json").exists()

@@ -90,6 +90,13 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
     ("mode=fast", "mode: 'fast' is not one of"),
     ("data.seq_len=0", "data.seq_len must be > 0"),
+    # LoRA and the separate scorer
+    ("inner.lora.rank=-2", "inner.lora.rank must be >= 0"),
+    ("inner.lora.targets=q,wq", "inner.lora.targets: wq is not among q,k,v,o,up,gate,down"),
+    ("inner.lora.alpha=0", "inner.lora.alpha must be a finite number > 0"),
+    ("meta_model.preset=huge", "meta_model.preset: unknown model preset 'huge'"),
+    ("meta_model.init_from=/nonexistent", "meta_model.init_from: '/nonexistent' is not a `metatrain export`"),
+    ("meta_model.d_model=30", "meta_model: RoPE needs an even per-head size, got 15"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
@@ -153,6 +160,8 @@ def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
     ([*TINY, "task=maml"], "first difference: task: 'loss_weighting' -> 'maml'"),
     (["learned_lr"], "first difference: task: 'loss_weighting' -> 'learned_lr'"),  # another preset named
     ([*TINY, "steps=4"], "steps: the run in "),
+    ([*TINY, "inner.lora.rank=4"], "first difference: inner.lora.rank: 0 -> 4"),
+    ([*TINY, "meta_model.n_layers=1"], "first difference: meta_model.n_layers: 0 -> 1"),
     ([*TINY, "steps=3"], "is already at step 4 (steps=3); set steps above 4"),
 ])
 def test_resuming_with_another_configuration_or_too_few_steps(shared_run, tmp_path, capsys, argv, says):

@@ -4,6 +4,7 @@ import shutil
 import signal
 import time
 
+import jax
 import numpy as np
 import pytest
 from conftest import SHARED_RUN
@@ -13,9 +14,12 @@ pytestmark = pytest.mark.slow
 NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log nowhere else
 
 
-def test_exact_resume_after_sigkill(tmp_path):
+def test_exact_resume_after_sigkill_of_a_lora_run(tmp_path):
+    """A LoRA run (θ = adapters on a frozen base, rebuilt at start-up rather than saved) killed with SIGKILL resumes
+    bit-identically to a run that was never stopped."""
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    proc = metatrain("train", *TINY, "baseline=uniform", f"workdir={killed}", "steps=1000", "checkpoint_every=3",
+    lora = ("inner.lora.rank=4", "meta_model.n_layers=1")  # and a one-layer scorer
+    proc = metatrain("train", *TINY, *lora, "baseline=uniform", f"workdir={killed}", "steps=1000", "checkpoint_every=3",
                      background=True)
     deadline = time.time() + 300
     while not checkpoints(killed):
@@ -29,8 +33,10 @@ def test_exact_resume_after_sigkill(tmp_path):
     target = latest + 3
     out = train(killed, f"steps={target}", resume=True)
     assert f"from step {latest}" in out
-    train(straight, "baseline=uniform", f"steps={target}", "checkpoint_every=3")
+    train(straight, *lora, "baseline=uniform", f"steps={target}", "checkpoint_every=3")
     a, b = saved_state(killed, target), saved_state(straight, target)
+    assert "frozen" not in a and all("lora_" in jax.tree_util.keystr(p)
+                                     for p, _ in jax.tree_util.tree_flatten_with_path(a["inner"][0])[0])
     for key in ("meta", "inner", "base"):
         for x, y in zip(leaves(a[key]), leaves(b[key])):
             np.testing.assert_array_equal(x, y)  # bit-identical

@@ -148,8 +148,8 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
 
 @pytest.mark.slow
 def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
-    """mode=auto and inner_checkpoint=auto: six candidates, each figure that of the program `compile` makes for
-    it, and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""
+    """mode=auto and inner_checkpoint=auto: six candidates, their figures those of the programs `compile` makes
+    (checked on two of them), and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""
     from metatrain import auto
     from metatrain.bench.compile import compile_report
     from metatrain.sharding import make_mesh
@@ -160,7 +160,10 @@ def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
     choice, program, _ = auto.choose(cfg, make_mesh(cfg.mesh))
     figures = choice["candidates"]
     assert set(figures) == {f"{m}+{s}" for m in ("default", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
-    for name, f in figures.items():
+    # the chosen candidate and one other, compiled as `metatrain compile` does (all six: twelve compiles, ~100 s)
+    other = next(n for n, f in figures.items() if f["mode"] != choice["mode"])
+    for name in (f"{choice['mode']}+{choice['inner_checkpoint']}", other):
+        f = figures[name]
         one = dataclasses.replace(cfg, mode=f["mode"], inner_checkpoint=f["inner_checkpoint"])
         assert compile_report(one)["peak_bytes"] == f["peak_bytes"], name
     lowest = min(f["peak_bytes"] for f in figures.values())
