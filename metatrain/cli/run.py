@@ -130,7 +130,7 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", help=f"[PRESET] key=value ... (presets: {presets}; or a .yaml path)")
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     p.add_argument("--baseline", choices=["none", "uniform"], default=None,
-                   help="also train with η frozen at its start (uniform weights) on the same data")
+                   help="also train with η frozen (loss weighting: exactly uniform weights) on the same data")
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("pretrain", help="plain next-token training with the same stack (a base model)")

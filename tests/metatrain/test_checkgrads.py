@@ -20,13 +20,16 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
     ("learned_lr", "default+remat,mixflow+save", "tiny", 0, None),
     # LoRA adapters as θ on a frozen base, weighted by a separate one-layer scorer
     ("loss_weighting", "mixflow+remat+save,revfwd+save", "tiny", 2, models.preset("tiny", n_layers=1, d_model=8)),
-    # LoRA on SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE: η = the adapters' start
+    # LoRA on SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE: η = the adapters' start.
+    # Seed 1: at seed 0 the first inner Adam step leaves some adapter entries where |g| ~ sqrt(eps_root), and V(η)
+    # is too curved there for finite differences (fd err 0.17, while every mode agrees with reverse-over-reverse to
+    # 1e-15; with seed 1, another perturbation or inner_lr, fd err 2e-9 ... 2e-5)
     ("maml", "mixflow+remat+save,revfwd+remat", "tiny-llama", 4, None),
 ])
 @pytest.mark.slow
 def test_builtin_tasks(task, names, model, lora, scorer):
     only = [parse_variant(n) for n in names.split(",")]
-    results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only,
+    results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only, seed=int(task == "maml"),
                                      lora=models.LoRAConfig(rank=lora) if lora else None, meta_model=scorer)
     assert not jax.config.jax_enable_x64
     assert [r.variant for r in results] == ["default", *names.split(",")]

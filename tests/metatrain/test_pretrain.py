@@ -43,8 +43,10 @@ def test_pretrain_then_meta_train_from_it_then_export(tmp_path, capsys):
     losses = {line.split(" loss ")[0].strip(): float(line.split(" loss ")[1].split()[0])
               for line in out.splitlines() if line.startswith("  ")}
     assert set(losses) == {"inner model (fine-tuned)", "uniform baseline", "starting model"}
-    # one outer step: both inner models took their steps with the same (initial) η, and moved from the start
-    assert losses["inner model (fine-tuned)"] == losses["uniform baseline"] != losses["starting model"]
+    # one outer step: both inner models moved from the start, the learned run with η's initial (nearly uniform)
+    # weights, the baseline with exactly uniform ones
+    inner, baseline, start = (losses[k] for k in ("inner model (fine-tuned)", "uniform baseline", "starting model"))
+    assert inner != start and baseline != start and inner != baseline and abs(inner - baseline) < 0.05
     # an export of the pretrained model holds its parameters, and inner.init_from reads them back
     assert cli.main(["export", str(base), "--out", str(tmp_path / "base_export")]) == 0
     from metatrain.export import load_params
