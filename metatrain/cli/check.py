@@ -13,7 +13,7 @@ def cmd_check_grads(args) -> int:
     from metatrain.config import load, meta_model_config
 
     model, data = common.model(args), common.data_shapes(args)
-    cfg = load(None, [f"task={args.task}", *args.overrides])  # inner.lora.*, meta_model.*: as a run would take them
+    cfg = load(None, list(args.overrides))  # inner.lora.*, meta_model.*: as a run would take them
     cfg = dataclasses.replace(cfg, model=model)
     lora = cfg.inner.lora if cfg.inner.lora.rank > 0 else None
     print(f"check-grads: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}, "
