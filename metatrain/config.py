@@ -142,15 +142,12 @@ def validate(cfg: Config) -> Config:
     _check(not init_from or os.path.isdir(init_from), "inner.init_from",
            f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir, a `metatrain export` or "
            f"`metatrain import hf` dir, or hf:DIR")
-    scorer = cfg.meta_model.init_from
-    _check(not scorer or checkpoint_model(scorer, "meta_model.init_from") is not None, "meta_model.init_from",
-           f"{scorer!r} is not a `metatrain export` / `metatrain import hf` dir or hf:DIR")
-    _check(not (scorer and cfg.meta_model.preset), "meta_model.preset",
+    _check(not (cfg.meta_model.init_from and cfg.meta_model.preset), "meta_model.preset",
            "give meta_model.preset or meta_model.init_from, not both (the checkpoint fixes the architecture)")
     for name in ("d_model", "n_layers", "n_heads", "d_ff"):
         _check(getattr(cfg.meta_model, name) >= 0, f"meta_model.{name}", "must be >= 0 (0: not changed)")
-    if cfg.meta_model.given:
-        meta_model_config(cfg, check_vocab=False)  # a bad preset or field combination: refused before anything is built
+    if cfg.meta_model.given:  # a bad preset, checkpoint or field combination: refused before anything is built
+        meta_model_config(cfg, check_vocab=False)
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")

@@ -121,28 +121,28 @@ class Trainer:
     def _load_pretrained(self, path: str):
         """The inner model (η for tasks that restart from it; the frozen base under LoRA) from pretrained parameters at
         `path`."""
-        from metatrain.export import load_params
 
         if self.task.lora is not None:
             which = lambda s: s["frozen"]
         else:
             which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
-        target = abstract(which(self.state), which(self.program.state_shardings))
-        params = load_params(path, target)
-        place = lambda state, params: step_lib.place_pretrained(self.task, self.program.meta_opt, state, params)
-        return jax.jit(place, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
+        return self._placed(path, which, step_lib.place_pretrained, "inner.init_from")
 
     def _load_scorer(self, path: str):
         """The meta model from pretrained parameters at `path` (`meta_model.init_from`)."""
-        from metatrain.export import load_params
-
         if not hasattr(self.task, "place_scorer"):
             raise ConfigError(f"meta_model.init_from: task {self.cfg.task!r} has no meta model to start from "
                               f"{path} (loss_weighting has one)")
-        target = abstract(self.state["meta"]["lm"], self.program.state_shardings["meta"]["lm"])
-        params = load_params(path, target, field="meta_model.init_from")
-        place = lambda state, params: step_lib.place_scorer(self.task, self.program.meta_opt, state, params)
-        return jax.jit(place, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
+        return self._placed(path, lambda s: s["meta"]["lm"], step_lib.place_scorer, "meta_model.init_from")
+
+    def _placed(self, path: str, which, place, field: str):
+        """The state with the parameters at `path`, read onto the shapes and shardings of `which(state)`, put in
+        place by `place(task, meta_opt, state, params)` (state donated)."""
+        from metatrain.export import load_params
+
+        params = load_params(path, abstract(which(self.state), which(self.program.state_shardings)), field)
+        put = lambda state, params: place(self.task, self.program.meta_opt, state, params)
+        return jax.jit(put, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
     def _global_batches(self):
         inner, outer = self.streams.next()
@@ -264,7 +264,7 @@ class Trainer:
         not in checkpoints: the one built at start-up (from `inner.init_from`) stays."""
         target = abstract(step_lib.checkpointed(self.state), step_lib.checkpointed(self.program.state_shardings))
         step, restored = self.checkpoints.restore(target, self.streams.restore_args())
-        self.state = dict(restored["state"], **({"frozen": self.state["frozen"]} if "frozen" in self.state else {}))
+        self.state = {**self.state, **restored["state"]}  # all but the frozen base come from the checkpoint
         return step
 
     def release(self) -> None:

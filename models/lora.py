@@ -62,11 +62,27 @@ def adapter(rngs: nnx.Rngs, in_shape: tuple, in_names: tuple, out_shape: tuple, 
     return make(a, in_names + (None,)), make(jnp.zeros((rank,) + out_shape, dtype), (None,) + out_names)
 
 
-def low_rank(x, a, b, scale: float, n_in: int = 1):
-    """scale · (x A) B, contracting x's last `n_in` axes with A's leading ones. x: [batch, seq, in...]."""
-    a, b = a[...].astype(x.dtype), b[...].astype(x.dtype)
+def attach(module, lora: LoRAConfig | None, shapes: dict, rngs: nnx.Rngs, dtype) -> None:
+    """Gives `module` adapters `lora_{name}_a` / `lora_{name}_b` for each of its projections (`shapes`: name ->
+    (in shape, in axis names, out shape, out axis names)) among lora's targets; sets `module.lora` (the names
+    adapted) and `module.lora_scale`."""
+    module.lora = tuple(t for t in lora.target_set if t in shapes) if lora else ()
+    module.lora_scale = lora.scale if lora else 0.0
+    for name in module.lora:
+        a, b = adapter(rngs, *shapes[name], lora.rank, dtype)
+        setattr(module, f"lora_{name}_a", a)
+        setattr(module, f"lora_{name}_b", b)
+
+
+def adapted(module, name: str, y, x, n_in: int = 1):
+    """y + scale · (x A) B for projection `name` of `module` (y itself where it has no adapter), contracting x's
+    last `n_in` axes with A's leading ones. x: [batch, seq, in...], y: [batch, seq, out...]."""
+    if name not in module.lora:
+        return y
+    a = getattr(module, f"lora_{name}_a")[...].astype(x.dtype)
+    b = getattr(module, f"lora_{name}_b")[...].astype(x.dtype)
     xa = jnp.tensordot(x, a, axes=n_in)  # [batch, seq, rank]
-    return jnp.tensordot(xa, b * jnp.asarray(scale, x.dtype), axes=1)  # [batch, seq, out...]
+    return y + jnp.tensordot(xa, b * jnp.asarray(module.lora_scale, x.dtype), axes=1)
 
 
 WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w_in", "gate": "w_gate", "down": "w_out"}

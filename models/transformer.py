@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metatrain.models.config import ModelConfig
-from metatrain.models.lora import ATTENTION_TARGETS, LoRAConfig, adapter, low_rank
+from metatrain.models.lora import WEIGHTS, LoRAConfig, adapted, attach
 
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
@@ -155,24 +155,12 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
         self.cfg = cfg
         self.kind, self.block = cfg.attention, cfg.attention_block
-        self.lora = tuple(t for t in lora.target_set if t in ATTENTION_TARGETS) if lora else ()
-        self.lora_scale = lora.scale if lora else 0.0
-        shapes = {"q": ((h, k), ("heads", "kv")), "k": ((g, k), ("kv_heads", "kv")), "v": ((g, k), ("kv_heads", "kv"))}
-        for name in self.lora:
-            ins, outs = (((h, k), ("heads", "kv")), ((d,), ("embed",))) if name == "o" else (((d,), ("embed",)),
-                                                                                              shapes[name])
-            a, b = adapter(rngs, *ins, *outs, lora.rank, dt)
-            setattr(self, f"lora_{name}_a", a)
-            setattr(self, f"lora_{name}_b", b)
-
-    def _adapted(self, y, x, name, n_in=1):  # y + the low-rank update of projection `name` applied to x
-        if name not in self.lora:
-            return y
-        return y + low_rank(x, getattr(self, f"lora_{name}_a"), getattr(self, f"lora_{name}_b"), self.lora_scale,
-                            n_in)
+        model, heads, kv_heads = ((d,), ("embed",)), ((h, k), ("heads", "kv")), ((g, k), ("kv_heads", "kv"))
+        attach(self, lora, {"q": model + heads, "k": model + kv_heads, "v": model + kv_heads, "o": heads + model},
+               rngs, dt)
 
     def _project(self, x, name):  # [batch, seq, d_model] -> [batch, seq, heads, k]
-        y = self._adapted(jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype)), x, name)
+        y = adapted(self, name, jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype)), x)
         return y + getattr(self, "b" + name)[...].astype(x.dtype) if self.cfg.qkv_bias else y
 
     def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
@@ -187,14 +175,12 @@ class Attention(nnx.Module):
             out = blockwise_attention(q, k, v, segment_ids, self.block)
         else:
             out = dense_attention(q, k, v, attention_mask(segment_ids))
-        return self._adapted(jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, "o", n_in=2)
+        return adapted(self, "o", jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, n_in=2)
 
 
 class MLP(nnx.Module):
     """GELU: w_out(gelu(w_in x)). SwiGLU: w_out(silu(w_gate x) * w_in x) (Hugging Face's up_proj = w_in,
     gate_proj = w_gate, down_proj = w_out). With `lora`, adapters on its targets among up, gate, down."""
-
-    NAMES = {"up": "w_in", "gate": "w_gate", "down": "w_out"}
 
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None = None, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
@@ -203,20 +189,12 @@ class MLP(nnx.Module):
             self.w_gate = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.dtype)
         self.w_out = _param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.dtype)
         self.kind = cfg.mlp
-        self.lora = tuple(t for t in lora.target_set if t in self.NAMES and (t != "gate" or cfg.mlp == "swiglu")
-                          ) if lora else ()
-        self.lora_scale = lora.scale if lora else 0.0
         model, ff = ((cfg.d_model,), ("embed",)), ((cfg.d_ff,), ("mlp",))
-        for name in self.lora:
-            a, b = adapter(rngs, *(ff + model if name == "down" else model + ff), lora.rank, cfg.dtype)
-            setattr(self, f"lora_{name}_a", a)
-            setattr(self, f"lora_{name}_b", b)
+        shapes = {"up": model + ff, "down": ff + model} | ({"gate": model + ff} if cfg.mlp == "swiglu" else {})
+        attach(self, lora, shapes, rngs, cfg.dtype)
 
     def _matmul(self, x, name):  # x @ W (+ its low-rank update)
-        y = x @ getattr(self, self.NAMES[name])[...].astype(x.dtype)
-        if name not in self.lora:
-            return y
-        return y + low_rank(x, getattr(self, f"lora_{name}_a"), getattr(self, f"lora_{name}_b"), self.lora_scale)
+        return adapted(self, name, x @ getattr(self, WEIGHTS[name])[...].astype(x.dtype), x)
 
     def __call__(self, x):  # [batch, seq, d_model]
         h = self._matmul(x, "up")  # [batch, seq, d_ff]
