@@ -25,7 +25,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from metatrain.data.sources import open_source
+from metatrain.data.sources import Tfds, open_source
 from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
 from metatrain.errors import ConfigError, DataError
 
@@ -136,7 +136,12 @@ def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, co
     Packing a long document gives many consecutive rows of it; the window shuffle after packing mixes
     rows of many documents into each batch (per-example weighting needs mixed batches)."""
     ds = grain.MapDataset.source(Subset(docs, ids))[process_index::process_count]
-    ds = ds.shuffle(seed=seed).repeat().map(_encoder(tok, corrupt_fraction, seed)).to_iter_dataset()
+    # documents already on this machine are read and tokenised on the calling thread: grain's default 16 reader
+    # threads and 500-element read-ahead per stream only contend for the GIL here (grain's own advice); TFDS
+    # sources, possibly remote, keep a few reader threads
+    threads = 4 if isinstance(docs, Tfds) else 0
+    read = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=64 if threads else 1)
+    ds = ds.shuffle(seed=seed).repeat().map(_encoder(tok, corrupt_fraction, seed)).to_iter_dataset(read)
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={f: seq_len + 1 for f in SEQ_FEATURES})
     if shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
