@@ -3,9 +3,9 @@ its per-device memory and whether it fits.
 
 The program is the Trainer's own (`step.meta_program` + `step.lower`) over the run's mesh: this
 machine's devices, or the topology's chips with FSDP shardings. On a TPU, a program whose temporaries
-pass the chip's HBM fails to compile with RESOURCE_EXHAUSTED; the bytes it asked for are read from
-the message. One that compiles can still be over HBM once its arguments are counted, so `fits` is
-always peak <= HBM.
+pass the chip's HBM is refused with RESOURCE_EXHAUSTED and then compiled past the limit
+(`aot.compile_exact`): every report is exact, `fits` is peak <= HBM, and a refused program's report also
+keeps the refusal's figure (`refused_bytes`, an estimate, not a peak).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import jax
 
 from metatrain import step as step_lib
-from metatrain.aot import compiled_memory, required_bytes, topology_devices
+from metatrain.aot import compile_exact, compiled_memory, topology_devices
 from metatrain.config import Config
 from metatrain.errors import ConfigError
 from metatrain.sharding import make_mesh
@@ -34,9 +34,10 @@ def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Prog
     return step_lib.meta_program(cfg, mesh), hbm
 
 
-def compile_report(cfg: Config, topology: str | None = None, built: tuple | None = None) -> dict:
+def compile_report(cfg: Config, topology: str | None = None, built: tuple | None = None,
+                   options: dict | None = None) -> dict:
     """Per-device memory of the run's outer step (and, on a TPU topology, whether it fits the chip's HBM).
-    `built`: `program_for(cfg, topology)` when the caller has it already."""
+    `built`: `program_for(cfg, topology)` when the caller has it already; `options`: compile options (e.g. a dump)."""
     program, hbm = built or program_for(cfg, topology)
     d = cfg.data
     report = {"topology": topology, "backend": "tpu" if topology else jax.default_backend(),
@@ -45,14 +46,11 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
               "save_inner_grads": cfg.save_inner_grads, "inner_checkpoint": cfg.inner_checkpoint,
               "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
     start = time.perf_counter()
-    try:
-        compiled = step_lib.lower(program).compile()
-    except Exception as e:  # noqa: BLE001 — only the TPU compiler's out-of-memory refusal is a result
-        need = required_bytes(e) if topology else None
-        if need is None:
-            raise
-        return report | {"fits": False, "exact": False, "required_bytes": need,
-                         "message": str(e).splitlines()[0][:300], "compile_s": round(time.perf_counter() - start, 2)}
+    compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology is not None, options=options)
+    if compiled is None:  # refused, and this generation's compiler cannot go past the limit: no exact figure
+        return report | {"fits": False, "exact": False, "peak_bytes": None, "refused_bytes": refused,
+                         "message": message, "compile_s": round(time.perf_counter() - start, 2)}
     m = compiled_memory(compiled)
-    return report | m | {"fits": None if hbm is None else m["peak_bytes"] <= hbm, "exact": True,
-                         "compile_s": round(time.perf_counter() - start, 2)}
+    extra = {} if refused is None else {"refused_bytes": refused, "message": message}
+    return report | m | extra | {"fits": None if hbm is None else m["peak_bytes"] <= hbm, "exact": True,
+                                 "compile_s": round(time.perf_counter() - start, 2)}

@@ -13,23 +13,25 @@ inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TP
              This is what mixed-mode differentiation reduces.
 
 The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
-every figure is per chip (FSDP over all chips). A program whose temporaries pass the HBM does not
-compile there; its row carries the bytes the compiler asked for as its peak (`exact: false`,
-`fits: false`), static counted from shapes, temp unknown.
+every figure is per chip (FSDP over all chips). A program over the chip's HBM, which the TPU compiler
+refuses, is compiled past the limit (`aot.compile_exact`): its row is exact too, with `fits: false` and
+the refusal's estimate kept as `refused_bytes`.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 
 import jax
 
+from metatrain.bench import buffers
 from metatrain.bench.compile import compile_report, program_for
 from metatrain.bench.variants import Variant
 from metatrain.config import Config
+from metatrain.errors import ConfigError
 from metatrain.models import param_count
 from metatrain.sharding import abstract, device_bytes, tree_shardings
-from metatrain.step import batch_specs
 from metatrain.unroll import segments
 
 
@@ -37,8 +39,9 @@ def _on_device(tree, mesh) -> int:
     return 0 if tree is None else device_bytes(abstract(tree, tree_shardings(tree, mesh)))
 
 
-def profile(cfg: Config, variant: Variant, topology: str | None = None) -> dict:
-    """One row: memory and FLOPs of the run's outer step computed as `variant` does (per chip on a TPU)."""
+def profile(cfg: Config, variant: Variant, topology: str | None = None, with_breakdown: bool = False) -> dict:
+    """One row: memory and FLOPs of the run's outer step computed as `variant` does (per chip on a TPU);
+    `with_breakdown`: also what is live at the peak (`bench.buffers`), under "breakdown"."""
     cfg = variant.apply(cfg)
     built = program_for(cfg, topology)
     program, model, d = built[0], cfg.model, cfg.data
@@ -63,14 +66,18 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None) -> dict:
            "lora_rank": cfg.inner.lora.rank, "frozen_bytes": _on_device(state.get("frozen"), mesh),
            "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"]
-    report = compile_report(cfg, topology, built)
+    with tempfile.TemporaryDirectory() as dump:
+        report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)
+        if with_breakdown and report["exact"]:
+            leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
+            shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
+            row["breakdown"] = buffers.breakdown(buffers.peak_buffers(dump), shapes, _on_device(theta, mesh))
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",
-                                       "fits", "exact", "hbm_bytes", "compile_s")}
-    if not report["exact"]:  # the TPU compiler's refusal: its figure, static counted from shapes
-        inputs = device_bytes((abstract(state, program.state_shardings), batch_specs(d, mesh)))
-        static = inputs + checkpoints + row["grad_bytes"]
-        return row | {"peak_bytes": report["required_bytes"], "static_bytes": static,
-                      "dynamic_bytes": report["required_bytes"] - static}
+                                       "fits", "exact", "hbm_bytes", "refused_bytes", "compile_s")}
+    if not report["exact"]:
+        raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and cannot "
+                          f"compile it past the HBM limit on this generation, so there is no exact figure; compare "
+                          f"on a v5p topology")
     static = report["peak_bytes"] - report["temp_bytes"] + checkpoints + row["grad_bytes"]
     return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
                   "dynamic_bytes": report["peak_bytes"] - static}
@@ -89,10 +96,12 @@ def add_ratios(rows: list[dict], baseline: str) -> list[dict]:
 
 
 def run(configs: list[Config], variant_list: list[Variant], baseline: str = "default+remat",
-        topology: str | None = None, progress: Callable = lambda it, **_: it) -> list[dict]:
+        topology: str | None = None, progress: Callable = lambda it, **_: it,
+        with_breakdown: bool = False) -> list[dict]:
     """A row per config and variant (configs carry task, model and shapes), with ratios against `baseline`."""
     jobs = [(c, v) for c in configs for v in variant_list]
-    return add_ratios([profile(c, v, topology) for c, v in progress(jobs, desc="compiling")], baseline)
+    return add_ratios([profile(c, v, topology, with_breakdown) for c, v in progress(jobs, desc="compiling")],
+                      baseline)
 
 
 def count(n: int) -> str:
@@ -111,7 +120,7 @@ def table(rows: list[dict], baseline: str) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         peak = size(r["peak_bytes"]) + ("" if r.get("exact", True) else " (refused: compiler's figure)")
-        peak += " (over HBM)" if r.get("fits") is False and r.get("exact", True) else ""
+        peak += " (over HBM)" if r.get("fits") is False and r.get("exact", True) else ""  # older rows: refusals
         flops = "-" if r["flops"] is None else f"{r['flops'] / 1e9:,.1f}"
         lines.append(f"| {r['task']} | {count(r['params'])} | {r['n_layers']} | {r['variant']} | {peak} | "
                      f"{size(r['static_bytes'])} | {size(r['dynamic_bytes'])} | {size(r['checkpoint_bytes'])} | "
@@ -120,3 +129,21 @@ def table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
                                f"less memory than {baseline}; static = inputs + outputs + per-step checkpoints + ∇η, "
                                f"dynamic = the rest)")
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """What is live at each row's peak: arguments, parameter-sized temporaries (count of θ-sized buffers) and the
+    rest, then the parameter-sized buffers by shape."""
+    lines = ["| params | variant | live at peak GiB | arguments | parameter-sized (x θ) | other | parameter-sized "
+             "buffers by shape |", "|" + "---|" * 7]
+    g = lambda b: f"{b / 2**30:,.2f}"
+    for r in rows:
+        b = r.get("breakdown")
+        if b is None:
+            continue
+        shapes = ", ".join(f"{n}x {s}" for s, n in b["param_sized_shapes"].items())
+        lines.append(f"| {count(r['params'])} | {r['variant']} | {g(b['live_bytes'])} | {g(b['argument_bytes'])} | "
+                     f"{g(b['param_sized_bytes'])} ({b['param_units']:.1f}) | {g(b['other_bytes'])} | {shapes} |")
+    return "\n".join(lines) + ("\n(GiB; the buffers live at the peak of the compiler's schedule, from its buffer "
+                               "assignment; parameter-sized: as many elements as a leaf of θ; x θ: their bytes over "
+                               "θ's)")

@@ -45,8 +45,12 @@ def cmd_bench_memory(args) -> int:
     where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
-    rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines)
+    rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
+                      with_breakdown=args.breakdown)
     print(memory.table(rows, args.baseline))
+    if args.breakdown:
+        print()
+        print(memory.breakdown_table(rows))
     if args.grid == "ladder":
         other = next((v.name for v in chosen if v.name == "mixflow+remat+save"), chosen[-1].name)
         print()
@@ -76,7 +80,7 @@ def cmd_bench_time(args) -> int:
 
 
 def cmd_bench_fit(args) -> int:
-    from metatrain.bench.largest_fit import largest_fitting
+    from metatrain.bench.largest_fit import FIT_MARGIN, largest_fitting
     from metatrain.models import ModelConfig
 
     cfg = _config(args, ModelConfig(), [*TPU_MESH, *args.overrides])
@@ -84,7 +88,8 @@ def cmd_bench_fit(args) -> int:
     chosen = common.variants(args, args.variants)
     print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}, variants {', '.join(v.name for v in chosen)}: binary search over the size "
-          f"ladder with the Trainer's outer step (each compile takes minutes)", flush=True)
+          f"ladder with the Trainer's outer step (each compile takes minutes); a preset fits when its exact peak "
+          f"is at most {FIT_MARGIN:.0%} of the chip's HBM", flush=True)
     results = []
     for v in chosen:
         results.append(largest_fitting(cfg, v, args.topology, ladder, log=lambda line: print(line, flush=True),
@@ -115,15 +120,19 @@ def cmd_compile(args) -> int:
     r = compile_report(cfg, args.topology)
     hbm = f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["hbm_bytes"] else ""
     print(f"mesh {r['mesh']} over {r['devices']} {r['backend']} device(s){hbm}")
-    if r["exact"]:
-        print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
-                                                 for k in ("argument", "output", "alias", "temp", "peak")))
-        if r["hbm_bytes"]:
-            print(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['peak_bytes'] / GiB:.2f} of "
-                  f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['peak_bytes'] / r['hbm_bytes']:.0f}%)")
-    else:
-        print(f"does NOT fit: the compiler refused it, asking for {r['required_bytes'] / GiB:.2f} GiB of "
-              f"{r['hbm_bytes'] / GiB:.2f} GiB for its temporaries ({r['message']})")
+    if not r["exact"]:
+        print(f"does NOT fit: the TPU compiler refused it, estimating {r['refused_bytes'] / GiB:.2f} GiB of "
+              f"{r['hbm_bytes'] / GiB:.2f} ({r['message']}); it cannot compile it past the limit on this generation")
+        common.write_json(args.json, r)
+        return 1
+    print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
+                                             for k in ("argument", "output", "alias", "temp", "peak")))
+    if r["hbm_bytes"]:
+        print(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['peak_bytes'] / GiB:.2f} of "
+              f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['peak_bytes'] / r['hbm_bytes']:.0f}%)")
+    if "refused_bytes" in r:
+        print(f"(the TPU compiler refused it first, estimating {r['refused_bytes'] / GiB:.2f} GiB: {r['message']}; "
+              f"the figures above are from compiling it past the HBM limit)")
     common.write_json(args.json, r)
     return 0 if r["fits"] is not False else 1
 
@@ -138,6 +147,9 @@ def register(sub) -> None:
     p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
     p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1)")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also say what is live at each program's peak (from the compiler's buffer assignment): "
+                        "arguments, parameter-sized buffers (in units of θ), the rest")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
                    help="n_layers values for --grid layers, e.g. 2,8")
     p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")

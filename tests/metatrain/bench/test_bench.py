@@ -40,14 +40,16 @@ def test_bench_time_bad_variants_and_baseline(capsys):
 
 
 def _fake_compile(limits, seen=None):
-    """A stand-in for compile_report where a preset fits when its parameter count is under the mode's limit."""
+    """A stand-in for compile_report where a preset fits when its parameter count is under the mode's limit. Above
+    it the peak is 98.5% of HBM (the chip would hold it, the 98% margin does not) up to twice the limit, then 150%
+    (refused first, compiled past the limit)."""
     def compile_report(cfg, topology, built=None):
-        n = models.param_count(cfg.model)
+        n, limit, hbm = models.param_count(cfg.model), limits(cfg), 95.74 * 2**30
         if seen is not None:
             seen.append((cfg.mode, cfg.inner_checkpoint, cfg.model.attention, cfg.model.compute_dtype, cfg.model.remat))
-        fits = n <= limits(cfg)
-        report = {"fits": fits, "exact": fits, "hbm_bytes": 95.74 * 2**30}
-        return report | ({"peak_bytes": n * 100.0} if fits else {"required_bytes": n * 100.0})
+        peak = hbm * (0.975 if n <= limit else 0.985 if n <= 2 * limit else 1.5)
+        report = {"fits": peak <= hbm, "exact": True, "hbm_bytes": hbm, "peak_bytes": peak}
+        return report | ({"refused_bytes": peak * 1.1, "message": "RESOURCE_EXHAUSTED"} if peak > hbm else {})
     return compile_report
 
 
@@ -59,6 +61,8 @@ def test_bench_fit_binary_search(monkeypatch, capsys):
     monkeypatch.setattr(largest_fit.compile_lib, "compile_report", fake)
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1"]) == 0
     out = capsys.readouterr().out
+    assert "a preset fits when its exact peak is at most 98% of the chip's HBM" in out
+    assert "does NOT fit: peak 94.30 GiB of 95.74 (98.5%)" in out  # on the chip, but not within the margin
     assert "largest that fits, default+remat: 278m" in out
     assert "largest that fits, mixflow+remat+save: 2b" in out
     ratio = models.param_count(models.preset("2b")) / models.param_count(models.preset("278m"))

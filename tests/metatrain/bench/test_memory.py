@@ -141,13 +141,20 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
     # the model of tests/launch/test_tpu.py's compile: its mixflow+remat+save program is compiled once
     flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4"]
     assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags, "--variants",
-                     "mixflow+remat+save", "--baseline", "mixflow+remat+save", "--json", str(out)]) == 0
+                     "mixflow+remat+save", "--baseline", "mixflow+remat+save", "--breakdown", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
     for r in rows:
         assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
         assert r["hbm_bytes"] > 90 * 2**30 and 0 < r["dynamic_bytes"] < r["peak_bytes"]
         assert r["param_bytes"] == p // 4  # FSDP: each of the 4 chips holds a quarter of η
+        # the buffer assignment's peak: the arguments live (all but a few scalars: the bytes memory_analysis counts),
+        # θ-sized temporaries among the rest, the per-step checkpoints ([T=2, ...] stacks of a layer weight) with them
+        b = r["breakdown"]
+        assert 0.99 * r["argument_bytes"] <= b["argument_bytes"] <= r["argument_bytes"]
+        assert b["live_bytes"] <= r["peak_bytes"]
+        assert b["param_sized_bytes"] > 0 and b["other_bytes"] > 0 and b["param_units"] >= 1
+        assert any(s.startswith("f32[2,1,128,") for s in b["param_sized_shapes"]), b["param_sized_shapes"]
 
 
 def test_resource_exhausted_figure_is_parsed():
@@ -156,3 +163,39 @@ def test_resource_exhausted_figure_is_parsed():
     err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
                        "temporaries (134.00G) exceeds available HBM (95.74G)")
     assert required_bytes(err) == 134 * 2**30 and required_bytes(RuntimeError("other")) is None
+
+
+@pytest.mark.tpu_backend
+def test_a_program_over_hbm_is_compiled_past_the_limit_and_a_fitting_one_is_unchanged():
+    """`aot.compile_exact`: libtpu refuses a program over the v5p chip's 95.74 GiB; compiled past the limit it gives
+    the buffer assignment's figures. A program that fits gives the same figures with and without that option."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    import jax
+    import jax.numpy as jnp
+
+    from metatrain.aot import PAST_HBM, compile_exact, compiled_memory, topology_devices
+
+    devices, hbm = topology_devices("v5p:1x1x1")
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ("x",)), jax.sharding.PartitionSpec())
+
+    def lowered(gib):  # x and three elementwise temporaries of its size, all live at the reduction
+        def f(x):
+            a = jnp.sin(x)
+            b = jnp.cos(a) * x
+            c = jnp.exp(b) + a
+            d = jnp.tanh(c) * b
+            return (a * b * c * d).sum() + sum(jnp.sort(y[:1024])[0] for y in (a, b, c, d))
+        n = int(gib * 2**30 / 16)
+        return jax.jit(f).lower(jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated))
+
+    small = lowered(20)
+    compiled, refused, _ = compile_exact(small, tpu=True)
+    assert refused is None
+    assert compiled_memory(compiled) == compiled_memory(small.compile(compiler_options=PAST_HBM))
+    big = lowered(200)
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+        big.compile()
+    compiled, refused, message = compile_exact(big, tpu=True)
+    m = compiled_memory(compiled)
+    assert refused > hbm and "exceeds available HBM" in message
+    assert m["argument_bytes"] == 50 * 2**30 and m["peak_bytes"] > hbm and m["temp_bytes"] >= 3 * 50 * 2**30
