@@ -32,7 +32,7 @@ def largest_fitting(cfg: Config, variant: Variant, topology: str, ladder: list[s
         run = variant.apply(dataclasses.replace(cfg, model=preset(name, **model_options)))
         log(f"  {variant.name}: compiling {name} ({param_count(run.model) / 1e6:,.0f}M parameters) ...")
         report = compile_lib.compile_report(run, topology)
-        if not report["exact"]:  # refused, no exact figure on this generation
+        if not report["exact"]:  # refused, and compiling past the limit failed too: no exact figure
             log(f"  {variant.name}: {name} does NOT fit: refused ({report['message']})")
             tried.append(report | {"name": name, "params": param_count(run.model), "fits_margin": False})
             return False

@@ -75,9 +75,9 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",
                                        "fits", "exact", "hbm_bytes", "refused_bytes", "compile_s")}
     if not report["exact"]:
-        raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and cannot "
-                          f"compile it past the HBM limit on this generation, so there is no exact figure; compare "
-                          f"on a v5p topology")
+        raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
+                          f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
+                          f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
     static = report["peak_bytes"] - report["temp_bytes"] + checkpoints + row["grad_bytes"]
     return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
                   "dynamic_bytes": report["peak_bytes"] - static}

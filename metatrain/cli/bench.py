@@ -122,7 +122,8 @@ def cmd_compile(args) -> int:
     print(f"mesh {r['mesh']} over {r['devices']} {r['backend']} device(s){hbm}")
     if not r["exact"]:
         print(f"does NOT fit: the TPU compiler refused it, estimating {r['refused_bytes'] / GiB:.2f} GiB of "
-              f"{r['hbm_bytes'] / GiB:.2f} ({r['message']}); it cannot compile it past the limit on this generation")
+              f"{r['hbm_bytes'] / GiB:.2f} ({r['message']}); compiling it past the limit failed too (v5e cannot; "
+              f"elsewhere, a program far over HBM), so there is no exact figure")
         common.write_json(args.json, r)
         return 1
     print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
