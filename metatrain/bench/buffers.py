@@ -1,12 +1,17 @@
-"""What fills a compiled program's memory at its peak, from the compiler's own buffer assignment.
+"""What fills a compiled program's memory over its schedule and at its peak, from the compiler's own buffer
+assignment.
 
-XLA writes, per compiled module, the buffer assignment (every logical buffer: its allocation, size, shape and
-the JAX op that made it) and the live ranges over the program's schedule, ending with the buffers live at the
-peak (`xla_dump_to` as a compile option: no flag changes for the rest of the process). `peak_buffers` reads
-them back; `breakdown` sorts the peak's buffers into the program's inputs (arguments: the state and batches),
-parameter-sized temporaries (as many elements as a leaf of θ, e.g. a stacked layer weight: gradients,
-cotangents, HVP results, per-step checkpoints, Adam moments) and the rest (activations and their
-derivatives, and small buffers). On a TPU the figures are the HBM's (memory space 0); VMEM is left out.
+XLA writes, per compiled module, the buffer assignment (every logical value: its allocation, offset, size,
+shape and the JAX op that made it) and each value's live range over the program's schedule (`xla_dump_to` as
+a compile option: no flag changes for the rest of the process). Values that share a place in memory (a while
+loop's carry, the buffer a scan output is written into and its updates, a donated argument and the output
+aliasing it) are one region here, counted once. `read_dump` gives the regions; `timeline` the bytes live at
+each position of the schedule (a loop's body appears once: its iterations reuse the same buffers);
+`peak_regions` those live where that sum peaks; `breakdown` sorts them into the program's inputs (arguments:
+the state and batches), parameter-sized buffers (as many elements as a leaf of θ, or a stack of a few:
+gradients, cotangents, HVP results, per-step checkpoints, Adam moments) and the rest (activations and their
+derivatives, small buffers). The live sum is at most the compiled peak (`memory_analysis()`): the allocator
+also leaves gaps. On a TPU the figures are the HBM's (memory space 0); VMEM is left out.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import math
 import os
 import re
 from collections import Counter
+
+import numpy as np
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8}
@@ -39,44 +46,96 @@ def _main_module(folder: str) -> str:
     return max(files, key=os.path.getsize)[: -len("-buffer-assignment.txt")]
 
 
-def peak_buffers(folder: str) -> list[dict]:
-    """The buffers live at the program's peak, largest first: name, bytes, shape, kind (argument | temp |
-    output | constant) and the JAX op that made it (its `op_name`)."""
+def read_dump(folder: str) -> tuple[list[dict], int]:
+    """(the program's memory regions, the schedule's length). A region: bytes, shape, kind (argument | temp |
+    output), the JAX op that made it (the first of its values' `op_name`s), start and end (schedule positions,
+    inclusive: from the first of its values to be defined to the last use of any). A place the allocator reuses
+    for another value later gives one region per use; arguments and outputs, in their own allocations, span the
+    whole program (as `memory_analysis()` counts them)."""
     prefix = _main_module(folder)
-    values, kind = {}, "temp"
+    regions, where, kind, alloc = {}, {}, "temp", None
     with open(prefix + "-buffer-assignment.txt") as f:
         for line in f:
             if line.startswith("allocation "):
+                alloc, size = (int(x) for x in re.match(r"allocation (\d+): size (\d+)", line).groups())
                 kind = ("argument" if "parameter" in line else "output" if "output shape" in line
-                        else "constant" if "constant" in line else "temp")
+                        else "constant" if "constant" in line else "thread-local" if "thread-local" in line
+                        else "temp")
                 space = re.search(r"color (\d+)", line)
                 kind = kind if space is None or space.group(1) == "0" else "other memory space"
-            m = re.match(r" value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\): (\S+)", line)
-            if m:
-                values[m.group(1)] = {"kind": kind, "shape": m.group(3)}
+            m = re.match(r" value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", line)
+            if m and kind in ("argument", "temp", "output"):
+                # an argument's or output's allocation is one region (its values include in-place updates)
+                key = (alloc, int(m.group(3)), int(m.group(2))) if kind == "temp" else (alloc, 0, size)
+                region = regions.setdefault(key, {"bytes": key[2], "shape": m.group(4), "kind": kind, "values": []})
+                if kind != "temp" and int(m.group(2)) == size and not region["values"]:
+                    region["shape"] = m.group(4)  # the argument itself, not a smaller value updating it in place
+                region["values"].append(m.group(1))
+                where[m.group(1)] = key
     ops = {}
     with open(prefix + "-buffer-assignment-values.txt") as f:
         for line in f:
             m = re.match(r" from instruction: %(\S+) = .*?op_name=\"([^\"]*)\"", line)
             if m:
                 ops[m.group(1)] = m.group(2)
-    live, at_peak = [], False
+    n, spans = 0, {}
     with open(prefix + "-live-range.txt") as f:
         for line in f:
-            if "(peak):" in line:
-                at_peak = True
-            elif at_peak:
-                m = re.match(r"\s+(\S+?)(\{[\d,]*\})?: (\d+) bytes", line)
-                if not m:
-                    break
-                name, index = m.group(1), m.group(2) or "{}"
-                info = values.get(name + ("" if index == "{}" else index), values.get(name, {}))
-                live.append({"name": name + ("" if index == "{}" else index), "bytes": int(m.group(3)),
-                             "shape": info.get("shape", "?"), "kind": info.get("kind", "temp"),
-                             "op": ops.get(name, "")})
-    if not at_peak:
-        raise ValueError(f"{prefix}-live-range.txt has no peak section")
-    return sorted((b for b in live if b["kind"] != "other memory space"), key=lambda b: -b["bytes"])
+            m = re.match(r"HloLiveRange \(max (\d+)\)", line)
+            if m:
+                n = int(m.group(1)) + 1
+            m = re.match(r"\s+(\S+?)(\{[\d,]*\})?:(\d+)-(\d+)$", line)
+            if m:
+                name = m.group(1) + ("" if m.group(2) in (None, "{}") else m.group(2))
+                key = where.get(name, where.get(m.group(1)))
+                if key is not None:
+                    spans.setdefault(key, []).append((int(m.group(3)), int(m.group(4)), name))
+    out = []
+    for r in regions.values():
+        if r["kind"] != "temp":  # an argument's or output's own allocation: held for the whole program
+            out.append({"name": r["values"][0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"],
+                        "op": next((ops[v.split("{")[0]] for v in r["values"] if ops.get(v.split("{")[0])), ""),
+                        "start": 0, "end": max(n - 1, 0)})
+    for key, values in spans.items():
+        # one place in memory holds one value at a time: overlapping or adjacent ranges are one buffer under
+        # several names (aliases), disjoint ones are later buffers reusing the place
+        values.sort()
+        r = regions[key]
+        if r["kind"] != "temp":
+            continue
+        groups = [[values[0]]]
+        for v in values[1:]:
+            if v[0] <= max(e for _, e, _ in groups[-1]) + 1:
+                groups[-1].append(v)
+            else:
+                groups.append([v])
+        for g in groups:
+            names = [name for _, _, name in g]
+            op = next((ops[v.split("{")[0]] for v in names if ops.get(v.split("{")[0])), "")
+            out.append({"name": names[0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"], "op": op,
+                        "start": g[0][0], "end": max(e for _, e, _ in g)})
+    return out, max(n, 1 + max((r["end"] for r in out), default=0))
+
+
+def timeline(regions: list[dict], n: int, select=lambda r: True) -> np.ndarray:
+    """Bytes live at each of the schedule's `n` positions, over the regions `select` keeps."""
+    diff = np.zeros(n + 1, np.int64)
+    for r in regions:
+        if select(r):
+            diff[r["start"]] += r["bytes"]
+            diff[r["end"] + 1] -= r["bytes"]
+    return np.cumsum(diff[:-1])
+
+
+def peak_regions(regions: list[dict], n: int) -> list[dict]:
+    """The regions live where the live bytes peak, largest first."""
+    t = int(np.argmax(timeline(regions, n)))
+    return sorted((r for r in regions if r["start"] <= t <= r["end"]), key=lambda r: -r["bytes"])
+
+
+def peak_buffers(folder: str) -> list[dict]:
+    """The regions live at the peak of the program compiled into `folder` (see `read_dump`)."""
+    return peak_regions(*read_dump(folder))
 
 
 def _param_sized(elements: int, sizes: set[int]) -> bool:
@@ -104,3 +163,18 @@ def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_by
             "param_units": parts["param_sized_bytes"] / param_bytes if param_bytes else None,
             "param_sized_shapes": dict(per_leaf.most_common()),
             "largest": [{k: b[k] for k in ("name", "bytes", "shape", "kind", "op")} for b in buffers[:16]]}
+
+
+def profile(folder: str, param_leaves: list[tuple[int, ...]], param_bytes: int, points: int = 400) -> dict:
+    """The program compiled into `folder`: `breakdown` at its peak, and its timeline in `points` bins (each bin's
+    largest value, so peaks survive): live bytes in all and in parameter-sized buffers, over the schedule."""
+    regions, n = read_dump(folder)
+    sizes = {math.prod(s) for s in param_leaves if math.prod(s) >= 65536}
+    total = timeline(regions, n)
+    param = timeline(regions, n, lambda r: r["kind"] != "argument" and _param_sized(_elements(r["shape"]), sizes))
+    args = timeline(regions, n, lambda r: r["kind"] == "argument")
+    edges = np.linspace(0, n, min(points, n) + 1).astype(int)
+    binned = lambda a: [int(a[lo:hi].max()) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+    return {"breakdown": breakdown(peak_regions(regions, n), param_leaves, param_bytes),
+            "timeline": {"positions": n, "live_bytes": binned(total), "param_sized_bytes": binned(param),
+                         "argument_bytes": binned(args)}}

@@ -41,7 +41,8 @@ def _on_device(tree, mesh) -> int:
 
 def profile(cfg: Config, variant: Variant, topology: str | None = None, with_breakdown: bool = False) -> dict:
     """One row: memory and FLOPs of the run's outer step computed as `variant` does (per chip on a TPU);
-    `with_breakdown`: also what is live at the peak (`bench.buffers`), under "breakdown"."""
+    `with_breakdown`: also what is live at the peak and over the schedule (`bench.buffers`), under "breakdown" and
+    "timeline"."""
     cfg = variant.apply(cfg)
     built = program_for(cfg, topology)
     program, model, d = built[0], cfg.model, cfg.data
@@ -67,11 +68,18 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
            "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"]
     with tempfile.TemporaryDirectory() as dump:
-        report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)
+        if with_breakdown:  # a program read from the persistent compilation cache writes no dump
+            cached = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)
+        finally:
+            if with_breakdown:
+                jax.config.update("jax_enable_compilation_cache", cached)
         if with_breakdown and report["exact"]:
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
-            row["breakdown"] = buffers.breakdown(buffers.peak_buffers(dump), shapes, _on_device(theta, mesh))
+            row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",
                                        "fits", "exact", "hbm_bytes", "refused_bytes", "compile_s")}
     if not report["exact"]:
@@ -134,16 +142,19 @@ def table(rows: list[dict], baseline: str) -> str:
 def breakdown_table(rows: list[dict]) -> str:
     """What is live at each row's peak: arguments, parameter-sized temporaries (count of θ-sized buffers) and the
     rest, then the parameter-sized buffers by shape."""
-    lines = ["| params | variant | live at peak GiB | arguments | parameter-sized (x θ) | other | parameter-sized "
-             "buffers by shape |", "|" + "---|" * 7]
+    lines = ["| params | variant | compiled peak GiB | live at peak | arguments | parameter-sized (x θ) | other | "
+             "parameter-sized buffers by shape |", "|" + "---|" * 8]
     g = lambda b: f"{b / 2**30:,.2f}"
     for r in rows:
         b = r.get("breakdown")
         if b is None:
             continue
         shapes = ", ".join(f"{n}x {s}" for s, n in b["param_sized_shapes"].items())
-        lines.append(f"| {count(r['params'])} | {r['variant']} | {g(b['live_bytes'])} | {g(b['argument_bytes'])} | "
+        lines.append(f"| {count(r['params'])} | {r['variant']} | {g(r['peak_bytes'])} | {g(b['live_bytes'])} | "
+                     f"{g(b['argument_bytes'])} | "
                      f"{g(b['param_sized_bytes'])} ({b['param_units']:.1f}) | {g(b['other_bytes'])} | {shapes} |")
-    return "\n".join(lines) + ("\n(GiB; the buffers live at the peak of the compiler's schedule, from its buffer "
-                               "assignment; parameter-sized: as many elements as a leaf of θ; x θ: their bytes over "
-                               "θ's)")
+    return "\n".join(lines) + ("\n(GiB; compiled peak: memory_analysis(); live at peak: the buffers live where the "
+                               "sum over the compiler's buffer assignment peaks, each place in memory once (the "
+                               "compiled peak also counts the allocator's gaps, and on TPU more that the dumped "
+                               "assignment does not attribute); parameter-sized: as many elements as a leaf of θ, or a "
+                               "stack of per-step copies; x θ: their bytes over θ's)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -115,5 +116,29 @@ def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def timeline_plot(rows: list[dict], path: str) -> str:
+    """Live memory over each compiled program's schedule (rows with a "timeline"), one panel per row: in all, in
+    parameter-sized buffers and in arguments. x: the position in the schedule, as a fraction (a loop body once)."""
+    rows = [r for r in rows if r.get("timeline")]
+    if not rows:
+        raise ValueError("no row has a timeline: compile with --timeline")
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.6 * len(rows)), sharex=True, squeeze=False)
+    top = max(max(r["timeline"]["live_bytes"]) for r in rows) / GiB
+    for ax, r in zip(axes[:, 0], rows):
+        t = r["timeline"]
+        x = np.linspace(0, 1, len(t["live_bytes"]))
+        ax.fill_between(x, np.array(t["live_bytes"]) / GiB, color="tab:blue", alpha=0.35, label="all live buffers")
+        ax.plot(x, np.array(t["param_sized_bytes"]) / GiB, color="tab:red", label="parameter-sized temporaries")
+        ax.plot(x, np.array(t["argument_bytes"]) / GiB, color="k", ls=":", label="arguments (state, batches)")
+        title = f"{r['variant']}, {r['params'] / 1e6:,.1f}M parameters: compiled peak {r['peak_bytes'] / GiB:.2f} GiB"
+        ax.set(ylabel="GiB", ylim=(0, 1.05 * top), title=title)
+        ax.legend(loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("position in the compiled program's schedule (fraction; each loop body appears once)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -46,9 +46,9 @@ def cmd_bench_memory(args) -> int:
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
     rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
-                      with_breakdown=args.breakdown)
+                      with_breakdown=args.breakdown or bool(args.timeline))
     print(memory.table(rows, args.baseline))
-    if args.breakdown:
+    if args.breakdown or args.timeline:
         print()
         print(memory.breakdown_table(rows))
     if args.grid == "ladder":
@@ -58,6 +58,8 @@ def cmd_bench_memory(args) -> int:
     common.write_json(args.json, rows)
     if args.plot:
         print(f"wrote {report.plot(rows, args.grid, args.baseline, args.plot)}")
+    if args.timeline:
+        print(f"wrote {report.timeline_plot(rows, args.timeline)}")
     return 0
 
 
@@ -148,6 +150,9 @@ def register(sub) -> None:
     p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
     p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1)")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot")
+    p.add_argument("--timeline", metavar="PNG", default=None,
+                   help="also plot each program's live memory over its compiled schedule (from the compiler's "
+                        "buffer assignment) into this PNG; implies --breakdown")
     p.add_argument("--breakdown", action="store_true",
                    help="also say what is live at each program's peak (from the compiler's buffer assignment): "
                         "arguments, parameter-sized buffers (in units of θ), the rest")

@@ -126,12 +126,17 @@ def test_paper_comparison_names_static_and_where_it_dominates():
 
 
 def test_ladder_grid_on_cpu(tmp_path, capsys):
-    png = tmp_path / "ladder.png"
+    png, timeline, out_json = tmp_path / "ladder.png", tmp_path / "timeline.png", tmp_path / "rows.json"
     assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16",
-                     "--batch", "2", "--plot", str(png)]) == 0
+                     "--batch", "2", "--plot", str(png), "--timeline", str(timeline), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "| tiny |" in out and "shown only beside MAML on TPU" in out
-    assert png.exists()
+    assert "| compiled peak GiB | live at peak |" in out
+    assert png.exists() and timeline.exists()
+    for r in json.loads(out_json.read_text()):  # the timeline's peak is the breakdown's, within the compiled peak
+        t, b = r["timeline"], r["breakdown"]
+        assert max(t["live_bytes"]) == b["live_bytes"] <= r["peak_bytes"]
+        assert max(t["argument_bytes"]) == b["argument_bytes"] > 0 and len(t["live_bytes"]) > 1
 
 
 @pytest.mark.tpu_backend
