@@ -94,7 +94,9 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     plain = Variant("default", False, False)  # the reference: plain reverse-over-reverse, every step kept
     todo = [plain] + [v for v in (only or variants(modes, inner_checkpoint)) if v != plain]
     for v in progress(todo, desc="variants"):
-        task = build(v.model(model), remat=v.remat)  # +blockwise applies
+        m = v.model(model)  # +blockwise applies; +chunked_ce in chunks that leave a remainder (S=8: 3, 3, 2)
+        m = m.replace(loss_chunk=max(1, 2 * data.seq_len // 5)) if m.loss_chunk else m
+        task = build(m, remat=v.remat)
         grad_fn = jax.jit(lambda fr, *args, task=task, v=v: meta_value_and_grad(task.with_frozen(fr), v.method)(*args))
         _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
         g = ravel_pytree(grad)[0]

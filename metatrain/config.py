@@ -159,7 +159,8 @@ def validate(cfg: Config) -> Config:
 
 
 # model fields a run chooses; the others (the architecture) follow a pretrained checkpoint
-RUN_MODEL_FIELDS = ("head", "remat", "remat_policy", "param_dtype", "compute_dtype", "attention", "attention_block")
+RUN_MODEL_FIELDS = ("head", "remat", "remat_policy", "param_dtype", "compute_dtype", "attention", "attention_block",
+                    "loss_chunk")
 
 
 def checkpoint_model(source: str, field: str = "inner.init_from") -> tuple[ModelConfig, str] | None:

@@ -49,6 +49,9 @@ class ModelConfig:
     compute_dtype: str = ""  # matmuls and activations ("" = param_dtype); softmax and losses stay >= float32
     attention: str = "dense"  # dense | blockwise (online softmax over key blocks: no [batch, heads, S, S])
     attention_block: int = 512  # query and key block size of blockwise attention
+    # 0: the next-token loss from [batch, seq, vocab] logits; N > 0: N positions at a time, each chunk's logits
+    # recomputed in the backward pass (no [batch, seq, vocab] buffer; forward- and reverse-differentiable)
+    loss_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):
@@ -84,6 +87,8 @@ class ModelConfig:
             raise ConfigError(f"model.attention must be dense or blockwise, got {self.attention!r}")
         if self.attention_block <= 0:
             raise ConfigError(f"model.attention_block must be > 0, got {self.attention_block}")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"model.loss_chunk must be >= 0 (0 = whole-sequence logits), got {self.loss_chunk}")
         if self.compute_dtype not in ("", "float32", "float64", "bfloat16"):
             raise ConfigError(f"model.compute_dtype must be float32, bfloat16 or empty (= param_dtype), "
                              f"got {self.compute_dtype!r}")

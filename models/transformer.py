@@ -245,6 +245,32 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         """tokens, segment_ids, positions: int [batch, seq]. segment_ids 0 marks padding."""
+        x = self.features(tokens, segment_ids, positions)  # [batch, seq, d_model]
+        if self.cfg.head == "score":
+            if segment_ids is None:
+                segment_ids = jnp.ones(tokens.shape, jnp.int32)
+            valid = (segment_ids > 0).astype(x.dtype)[..., None]  # [batch, seq, 1]
+            pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)  # [batch, d_model]
+            return (pooled @ self.out[...].astype(x.dtype))[:, 0]  # [batch]
+        return x @ self.unembedding.astype(x.dtype)  # [batch, seq, vocab]: the loss takes it to float32
+
+    @property
+    def unembedding(self) -> jax.Array:  # [d_model, vocab]
+        return self.embed[...].T if self.cfg.tie_embeddings else self.out[...]
+
+    def example_losses(self, tokens, segment_ids=None, positions=None) -> jax.Array:
+        """Per-example mean next-token loss of a batch of sequences, [batch]: tokens (and segment_ids, positions)
+        [batch, seq + 1], predicting tokens[:, 1:] from tokens[:, :-1]. With `loss_chunk` > 0 the logits are
+        made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
+        cut = lambda a, sl: None if a is None else a[:, sl]
+        inputs = (tokens[:, :-1], cut(segment_ids, slice(None, -1)), cut(positions, slice(None, -1)))
+        if not self.cfg.loss_chunk:
+            return next_token_loss(self(*inputs), tokens[:, 1:], cut(segment_ids, slice(1, None)))
+        return chunked_next_token_loss(self.features(*inputs), self.unembedding, tokens[:, 1:],
+                                       cut(segment_ids, slice(1, None)), self.cfg.loss_chunk)
+
+    def features(self, tokens, segment_ids=None, positions=None):
+        """The final normalised hidden states, [batch, seq, d_model]."""
         b, s = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)
@@ -260,14 +286,7 @@ class Transformer(nnx.Module):
         if self.cfg.remat:
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self.cfg.remat_policy))
         x, _ = jax.lax.scan(body, x, stacked)
-        x = self.final_norm(x)
-
-        if self.cfg.head == "score":
-            valid = (segment_ids > 0).astype(x.dtype)[..., None]  # [batch, seq, 1]
-            pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)  # [batch, d_model]
-            return (pooled @ self.out[...].astype(x.dtype))[:, 0]  # [batch]
-        w_out = self.embed[...].T if self.cfg.tie_embeddings else self.out[...]
-        return x @ w_out.astype(x.dtype)  # [batch, seq, vocab]: the loss takes it to float32
+        return self.final_norm(x)
 
 
 def next_token_loss(logits, tokens_out, segment_ids=None):
@@ -280,3 +299,27 @@ def next_token_loss(logits, tokens_out, segment_ids=None):
         return nll.mean(-1)
     valid = (segment_ids > 0).astype(nll.dtype)
     return (nll * valid).sum(-1) / jnp.maximum(valid.sum(-1), 1)
+
+
+def chunked_next_token_loss(x, w_out, tokens_out, segment_ids=None, chunk: int = 512):
+    """`next_token_loss(x @ w_out, tokens_out, segment_ids)` made `chunk` positions at a time: a scan over
+    sequence chunks whose body is rematerialised, so neither pass holds more than one chunk's [batch, chunk,
+    vocab] logits (and their derivatives). Plain JAX ops: forward-over-reverse differentiable as MixFlow needs.
+    x: [batch, seq, d_model]; w_out: [d_model, vocab]; tokens_out, segment_ids: [batch, seq] → [batch]."""
+    b, s, d = x.shape
+    n = -(-s // chunk)
+    valid = jnp.ones((b, s), bool) if segment_ids is None else segment_ids > 0
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, n * chunk - s)] + [(0, 0)] * (a.ndim - 2))
+    split = lambda a: pad(a).reshape((b, n, chunk) + a.shape[2:]).swapaxes(0, 1)  # [n, batch, chunk, ...]
+
+    @jax.checkpoint
+    def body(total, part):
+        xc, tc, vc = part  # [batch, chunk, d_model], [batch, chunk], [batch, chunk]
+        logits = (xc @ w_out.astype(xc.dtype)).astype(compute_dtype(xc.dtype))  # [batch, chunk, vocab]
+        target = jax.nn.one_hot(tc, logits.shape[-1], dtype=logits.dtype)
+        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(target * logits, axis=-1)  # [batch, chunk]
+        return total + jnp.where(vc, nll, 0).sum(-1), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((b,), compute_dtype(x.dtype)), (split(x), split(tokens_out),
+                                                                             split(valid)))
+    return total / jnp.maximum(valid.sum(-1), 1).astype(total.dtype)

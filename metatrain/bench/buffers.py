@@ -8,7 +8,7 @@ loop's carry, the buffer a scan output is written into and its updates, a donate
 aliasing it) are one region here, counted once. `read_dump` gives the regions; `timeline` the bytes live at
 each position of the schedule (a loop's body appears once: its iterations reuse the same buffers);
 `peak_regions` those live where that sum peaks; `breakdown` sorts them into the program's inputs (arguments:
-the state and batches), parameter-sized buffers (as many elements as a leaf of θ, or a stack of a few:
+the state and batches), parameter-sized buffers (a leaf of θ's shape, or a stack of a few:
 gradients, cotangents, HVP results, per-step checkpoints, Adam moments) and the rest (activations and their
 derivatives, small buffers). The live sum is at most the compiled peak (`memory_analysis()`): the allocator
 also leaves gaps. On a TPU the figures are the HBM's (memory space 0); VMEM is left out.
@@ -31,11 +31,6 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16"
 def dump_options(folder: str) -> dict:
     """Compile options that make XLA write its buffer assignment and live ranges into `folder`."""
     return {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
-
-
-def _elements(shape: str) -> int:
-    m = re.match(r"[a-z0-9]+\[([\d,]*)\]", shape)
-    return math.prod(int(d) for d in m.group(1).split(",") if d) if m else 0
 
 
 def _main_module(folder: str) -> str:
@@ -138,22 +133,28 @@ def peak_buffers(folder: str) -> list[dict]:
     return peak_regions(*read_dump(folder))
 
 
-def _param_sized(elements: int, sizes: set[int]) -> bool:
-    """As many elements as a leaf of θ, or k <= 16 times as many (a stack of per-step copies, e.g. T checkpoints)."""
-    return any(elements % n == 0 and elements // n <= 16 for n in sizes) if elements else False
+def _dims(shape: str) -> tuple[int, ...]:
+    m = re.match(r"[a-z0-9]+\[([\d,]*)\]", shape)
+    return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+
+
+def _param_sized(dims: tuple[int, ...], leaves: set[tuple[int, ...]]) -> bool:
+    """A θ leaf's shape, or a stack of k <= 16 of them (per-step copies, e.g. T checkpoints). By shape, not
+    element count: an activation [layers, batch, seq, d_model] can have as many elements as a weight."""
+    return dims in leaves or (len(dims) > 1 and dims[0] <= 16 and dims[1:] in leaves)
 
 
 def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_bytes: int) -> dict:
-    """The peak's bytes split into arguments, parameter-sized temporaries (as many elements as a leaf of θ, or a
-    stack of up to 16 such; per shape: how many buffers) and the rest; `param_units`: the parameter-sized bytes
+    """The peak's bytes split into arguments, parameter-sized temporaries (a leaf of θ's shape, or a stack of up
+    to 16 such; per shape: how many buffers) and the rest; `param_units`: the parameter-sized bytes
     in units of θ's. Leaves under 64K elements are too small to tell apart from activations and are left out."""
-    sizes = {math.prod(s) for s in param_leaves if math.prod(s) >= 65536}
+    leaves = {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
     parts = Counter()
     per_leaf = Counter()
     for b in buffers:
         if b["kind"] == "argument":
             parts["argument_bytes"] += b["bytes"]
-        elif _param_sized(_elements(b["shape"]), sizes):
+        elif _param_sized(_dims(b["shape"]), leaves):
             parts["param_sized_bytes"] += b["bytes"]
             per_leaf[b["shape"].split("{")[0]] += 1
         else:
@@ -169,9 +170,9 @@ def profile(folder: str, param_leaves: list[tuple[int, ...]], param_bytes: int, 
     """The program compiled into `folder`: `breakdown` at its peak, and its timeline in `points` bins (each bin's
     largest value, so peaks survive): live bytes in all and in parameter-sized buffers, over the schedule."""
     regions, n = read_dump(folder)
-    sizes = {math.prod(s) for s in param_leaves if math.prod(s) >= 65536}
+    leaves = {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
     total = timeline(regions, n)
-    param = timeline(regions, n, lambda r: r["kind"] != "argument" and _param_sized(_elements(r["shape"]), sizes))
+    param = timeline(regions, n, lambda r: r["kind"] != "argument" and _param_sized(_dims(r["shape"]), leaves))
     args = timeline(regions, n, lambda r: r["kind"] == "argument")
     edges = np.linspace(0, n, min(points, n) + 1).astype(int)
     binned = lambda a: [int(a[lo:hi].max()) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]

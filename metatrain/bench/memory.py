@@ -156,5 +156,5 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + ("\n(GiB; compiled peak: memory_analysis(); live at peak: the buffers live where the "
                                "sum over the compiler's buffer assignment peaks, each place in memory once (the "
                                "compiled peak also counts the allocator's gaps, and on TPU more that the dumped "
-                               "assignment does not attribute); parameter-sized: as many elements as a leaf of θ, or a "
-                               "stack of per-step copies; x θ: their bytes over θ's)")
+                               "assignment does not attribute); parameter-sized: a leaf of θ's shape, or a stack of "
+                               "per-step copies; x θ: their bytes over θ's)")

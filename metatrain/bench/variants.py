@@ -20,9 +20,12 @@ from metatrain.tasks import Task, make_task
 from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 
 # model options a variant name may carry, e.g. `mixflow+remat+save+sqrt+blockwise+bf16`
-MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"}}
+# (+chunked_ce: the next-token loss 512 positions at a time, no [batch, seq, vocab] logits buffer)
+MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
+                 "chunked_ce": {"loss_chunk": 512}}
 SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = "MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16], e.g. mixflow+remat+save+sqrt+blockwise"
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16][+chunked_ce], e.g. "
+        "mixflow+remat+save+sqrt+blockwise")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,12 +129,8 @@ class Task:
     # ---- helpers ---------------------------------------------------------------------------
     def example_losses(self, theta: Pytree, batch: dict) -> jax.Array:
         """Next-token loss per example, [batch], of the inner model with parameters `theta`."""
-        tokens = batch["tokens"]
-        seg = batch.get("segment_ids")
-        pos = batch.get("positions")
-        logits = self.inner_model(theta)(
-            tokens[:, :-1], None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
-        return models.next_token_loss(logits, tokens[:, 1:], None if seg is None else seg[:, 1:])
+        return self.inner_model(theta).example_losses(batch["tokens"], batch.get("segment_ids"),
+                                                      batch.get("positions"))
 
 
 def _describe(tree) -> str:

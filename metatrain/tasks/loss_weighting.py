@@ -46,10 +46,8 @@ class LossWeighting(Task):
 
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
         """exp(τ) · mean log-likelihood of each example under the meta model: [batch]. Higher → more weight."""
-        tokens, seg, pos = batch["tokens"], batch.get("segment_ids"), batch.get("positions")
-        logits = nnx.merge(self.meta_graphdef, meta["lm"])(
-            tokens[:, :-1], None if seg is None else seg[:, :-1], None if pos is None else pos[:, :-1])
-        nll = models.next_token_loss(logits, tokens[:, 1:], None if seg is None else seg[:, 1:])  # [batch]
+        nll = nnx.merge(self.meta_graphdef, meta["lm"]).example_losses(
+            batch["tokens"], batch.get("segment_ids"), batch.get("positions"))  # [batch]
         return -jnp.exp(meta["log_temperature"]).astype(nll.dtype) * nll
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:

@@ -172,3 +172,32 @@ def test_bad_model_config():
         models.preset("tiny", d_model=30, n_heads=4)
     with pytest.raises(ConfigError, match="unknown model preset"):
         models.preset("huge")
+
+
+def test_chunked_loss_equals_whole_sequence_logits_with_its_derivatives():
+    """`loss_chunk`: the same per-example losses, gradient and forward-over-reverse Hessian-vector product as the
+    [batch, seq, vocab] logits (float64; a chunk that does not divide the sequence, padding positions)."""
+    with jax.enable_x64(True):
+        cfg = models.preset("tiny", param_dtype="float64", n_layers=1)
+        (graphdef, theta), (chunked_graphdef, _) = (models.init(cfg.replace(loss_chunk=c), jax.random.key(0))
+                                                     for c in (0, 5))
+        tokens = jax.random.randint(jax.random.key(1), (3, 13), 0, cfg.vocab_size)
+        seg = jnp.ones((3, 13), jnp.int32).at[1, 9:].set(0)
+
+        def loss(gd, t):
+            return (nnx.merge(gd, t).example_losses(tokens, seg) * jnp.array([1.0, 2.0, 3.0])).sum()
+
+        for f in (lambda gd, t: nnx.merge(gd, t).example_losses(tokens, seg), jax.grad(loss, argnums=1)):
+            a, b = f(graphdef, theta), f(chunked_graphdef, theta)
+            assert all(jnp.allclose(x, y, rtol=1e-10, atol=1e-12) for x, y in zip(jax.tree.leaves(a),
+                                                                                   jax.tree.leaves(b)))
+        v = jax.tree.map(lambda x: jax.random.normal(jax.random.key(2), x.shape, x.dtype), theta)
+        hvp = lambda gd: jax.jvp(lambda t: jax.grad(loss, argnums=1)(gd, t), (theta,), (v,))[1]
+        for x, y in zip(jax.tree.leaves(hvp(graphdef)), jax.tree.leaves(hvp(chunked_graphdef))):
+            assert jnp.allclose(x, y, rtol=1e-9, atol=1e-11)
+        assert not jnp.allclose(loss(graphdef, theta), loss(graphdef, jax.tree.map(lambda x, y: x + y, theta, v)))
+
+
+def test_loss_chunk_must_not_be_negative():
+    with pytest.raises(ConfigError, match="loss_chunk"):
+        models.preset("tiny", loss_chunk=-1)
