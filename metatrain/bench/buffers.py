@@ -16,16 +16,29 @@ also leaves gaps. On a TPU the figures are the HBM's (memory space 0); VMEM is l
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
 import re
 from collections import Counter
 
+import jax
 import numpy as np
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8}
+
+
+@contextlib.contextmanager
+def fresh_compiles():
+    """Compile for real inside: a program read from JAX's persistent compilation cache writes no dump."""
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
 
 
 def dump_options(folder: str) -> dict:
@@ -39,6 +52,11 @@ def _main_module(folder: str) -> str:
     if not files:
         raise FileNotFoundError(f"no buffer assignment was written to {folder}")
     return max(files, key=os.path.getsize)[: -len("-buffer-assignment.txt")]
+
+
+def _op(names: list[str], ops: dict) -> str:
+    """The first JAX op name among a buffer's values (an instruction's output tuple index dropped)."""
+    return next((ops[v.split("{")[0]] for v in names if ops.get(v.split("{")[0])), "")
 
 
 def read_dump(folder: str) -> tuple[list[dict], int]:
@@ -89,8 +107,7 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
     for r in regions.values():
         if r["kind"] != "temp":  # an argument's or output's own allocation: held for the whole program
             out.append({"name": r["values"][0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"],
-                        "op": next((ops[v.split("{")[0]] for v in r["values"] if ops.get(v.split("{")[0])), ""),
-                        "start": 0, "end": max(n - 1, 0)})
+                        "op": _op(r["values"], ops), "start": 0, "end": max(n - 1, 0)})
     for key, values in spans.items():
         # one place in memory holds one value at a time: overlapping or adjacent ranges are one buffer under
         # several names (aliases), disjoint ones are later buffers reusing the place
@@ -106,9 +123,8 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
                 groups.append([v])
         for g in groups:
             names = [name for _, _, name in g]
-            op = next((ops[v.split("{")[0]] for v in names if ops.get(v.split("{")[0])), "")
-            out.append({"name": names[0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"], "op": op,
-                        "start": g[0][0], "end": max(e for _, e, _ in g)})
+            out.append({"name": names[0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"],
+                        "op": _op(names, ops), "start": g[0][0], "end": max(e for _, e, _ in g)})
     return out, max(n, 1 + max((r["end"] for r in out), default=0))
 
 
@@ -128,14 +144,14 @@ def peak_regions(regions: list[dict], n: int) -> list[dict]:
     return sorted((r for r in regions if r["start"] <= t <= r["end"]), key=lambda r: -r["bytes"])
 
 
-def peak_buffers(folder: str) -> list[dict]:
-    """The regions live at the peak of the program compiled into `folder` (see `read_dump`)."""
-    return peak_regions(*read_dump(folder))
-
-
 def _dims(shape: str) -> tuple[int, ...]:
     m = re.match(r"[a-z0-9]+\[([\d,]*)\]", shape)
     return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+
+
+def _leaves(param_leaves: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """θ's leaf shapes of 64K elements or more: smaller ones cannot be told apart from activations."""
+    return {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
 
 
 def _param_sized(dims: tuple[int, ...], leaves: set[tuple[int, ...]]) -> bool:
@@ -148,7 +164,7 @@ def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_by
     """The peak's bytes split into arguments, parameter-sized temporaries (a leaf of θ's shape, or a stack of up
     to 16 such; per shape: how many buffers) and the rest; `param_units`: the parameter-sized bytes
     in units of θ's. Leaves under 64K elements are too small to tell apart from activations and are left out."""
-    leaves = {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
+    leaves = _leaves(param_leaves)
     parts = Counter()
     per_leaf = Counter()
     for b in buffers:
@@ -170,7 +186,7 @@ def profile(folder: str, param_leaves: list[tuple[int, ...]], param_bytes: int, 
     """The program compiled into `folder`: `breakdown` at its peak, and its timeline in `points` bins (each bin's
     largest value, so peaks survive): live bytes in all and in parameter-sized buffers, over the schedule."""
     regions, n = read_dump(folder)
-    leaves = {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
+    leaves = _leaves(param_leaves)
     total = timeline(regions, n)
     param = timeline(regions, n, lambda r: r["kind"] != "argument" and _param_sized(_dims(r["shape"]), leaves))
     args = timeline(regions, n, lambda r: r["kind"] == "argument")

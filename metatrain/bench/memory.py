@@ -20,6 +20,7 @@ the refusal's estimate kept as `refused_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import Callable
 
@@ -68,14 +69,8 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
            "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"]
     with tempfile.TemporaryDirectory() as dump:
-        if with_breakdown:  # a program read from the persistent compilation cache writes no dump
-            cached = jax.config.jax_enable_compilation_cache
-            jax.config.update("jax_enable_compilation_cache", False)
-        try:
+        with buffers.fresh_compiles() if with_breakdown else contextlib.nullcontext():
             report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)
-        finally:
-            if with_breakdown:
-                jax.config.update("jax_enable_compilation_cache", cached)
         if with_breakdown and report["exact"]:
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device

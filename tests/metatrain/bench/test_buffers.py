@@ -10,7 +10,8 @@ N = 1 << 20  # floats: 4 MiB per buffer
 
 def _compile(f, *shapes, folder):
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    compiled = jax.jit(f).lower(*args).compile(compiler_options=buffers.dump_options(str(folder)))
+    with buffers.fresh_compiles():
+        compiled = jax.jit(f).lower(*args).compile(compiler_options=buffers.dump_options(str(folder)))
     return compiled.memory_analysis()
 
 
