@@ -101,7 +101,7 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
             if m:
                 name = m.group(1) + ("" if m.group(2) in (None, "{}") else m.group(2))
                 key = where.get(name, where.get(m.group(1)))
-                if key is not None:
+                if key is not None and regions[key]["kind"] == "temp":  # arguments, outputs: the whole program
                     spans.setdefault(key, []).append((int(m.group(3)), int(m.group(4)), name))
     out = []
     for r in regions.values():
@@ -113,8 +113,6 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
         # several names (aliases), disjoint ones are later buffers reusing the place
         values.sort()
         r = regions[key]
-        if r["kind"] != "temp":
-            continue
         groups = [[values[0]]]
         for v in values[1:]:
             if v[0] <= max(e for _, e, _ in groups[-1]) + 1:

@@ -55,6 +55,8 @@ def test_a_scans_stacked_output_and_the_loop_carrying_it_are_one_buffer(tmp_path
     assert live <= mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
     b = buffers.breakdown(buffers.peak_regions(regions, n), [(N,)], 4 * N)
     assert b["argument_bytes"] == stack + 4 * N and b["live_bytes"] == live
+    # parameter-sized: the stack once, and the carried h, [N] like the leaf
+    assert b["param_sized_bytes"] == stack + 4 * N and b["param_sized_shapes"] == {f"f32[8,{N}]": 1, f"f32[{N}]": 1}
     out = buffers.profile(str(tmp_path), [(N,)], 4 * N, points=50)
     t = out["timeline"]
     assert len(t["live_bytes"]) == min(50, t["positions"]) and max(t["live_bytes"]) == live
