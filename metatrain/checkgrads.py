@@ -5,6 +5,8 @@ meta-parameters are the task's initial ones plus small noise, so every second-de
 exercised (e.g. a zero-initialised score head would otherwise hide the weighting model's mixed
 derivatives). The batches have the Trainer's structure (`step.random_batches`). With LoRA the base weights
 are an argument of the jitted meta-gradient, bound to the task inside it, as in the Trainer's outer step.
+A `+bf16_state` variant runs its stored-checkpoint backward pass (`unroll.stored_step`) with float64 storage:
+this checks that backward pass exactly; what bfloat16 storage costs is bounded by a test of its own.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         m = v.model(model)  # +blockwise applies; +chunked_ce in chunks that leave a remainder (S=8: 3, 3, 2)
         m = m.replace(loss_chunk=max(1, 2 * data.seq_len // 5)) if m.loss_chunk else m
         task = build(m, remat=v.remat)
-        grad_fn = jax.jit(lambda fr, *args, task=task, v=v: meta_value_and_grad(task.with_frozen(fr), v.method)(*args))
+        method = dataclasses.replace(v.method, checkpoint_dtype="float64") if v.checkpoint_dtype else v.method
+        grad_fn = jax.jit(lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr),
+                                                                                          method)(*args))
         _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
         g = ravel_pytree(grad)[0]
         ref = g if ref is None else ref  # the first variant is plain reverse-over-reverse

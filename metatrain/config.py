@@ -23,7 +23,7 @@ from metatrain.errors import ConfigError, TaskError
 from metatrain.mixflow import MODES
 from metatrain.models import LoRAConfig, ModelConfig, preset
 from metatrain.tasks import task_class
-from metatrain.unroll import INNER_CHECKPOINTS
+from metatrain.unroll import INNER_CHECKPOINTS, NARROW_NEEDS_SAVE
 
 USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -92,6 +92,7 @@ class Config:
     mode: str = "mixflow"  # default | mixflow | revfwd | auto (compile each, keep the lowest peak memory)
     save_inner_grads: bool = True
     inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
+    checkpoint_dtype: str = ""  # "" (as computed) | bfloat16: the dtype those states and saved gradients are kept in
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -105,6 +106,9 @@ class Config:
     checkpoint_every: int = 100  # 0: only at the end and when stopped
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # stop after this many non-finite meta-gradients in a row
+
+
+CHECKPOINT_DTYPES = ("", "float32", "bfloat16")
 
 
 def _check(cond: bool, field: str, message: str):
@@ -121,6 +125,11 @@ def validate(cfg: Config) -> Config:
     _check(cfg.mode in MODES + (AUTO,), "mode", f"{cfg.mode!r} is not one of {MODES + (AUTO,)}")
     _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + (AUTO,), "inner_checkpoint",
            f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + (AUTO,)}")
+    _check(cfg.checkpoint_dtype in CHECKPOINT_DTYPES, "checkpoint_dtype",
+           f"{cfg.checkpoint_dtype!r} is not one of {CHECKPOINT_DTYPES} ('' keeps the per-step checkpoint as "
+           "computed; bfloat16 halves it)")
+    _check(cfg.checkpoint_dtype != "bfloat16" or cfg.save_inner_grads, "checkpoint_dtype",
+           NARROW_NEEDS_SAVE.removeprefix("checkpoint_dtype: "))
     for name, minimum in (("steps", 1), ("eval_batches", 1), ("log_every", 1), ("keep_checkpoints", 1),
                           ("max_bad_steps", 1), ("checkpoint_every", 0), ("eval_every", 0)):
         value = getattr(cfg, name)

@@ -65,6 +65,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
     plain = jax.value_and_grad(loss_fn)
     if mode == "default":
         return plain
+    vjp = backward(loss_fn, mode, frozen_argnums)
 
     @jax.custom_vjp
     def f(params, *inputs):
@@ -81,13 +82,31 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
                                ct_grad, params, is_leaf=lambda c: isinstance(c, SymbolicZero))
         # The loss value is usually a metric only: its cotangent is a symbolic zero, and then the
         # primal gradient need not be kept alive for the  ct_loss * dL/dx  term.
-        ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
+        return vjp(params, inputs, None if isinstance(ct_loss, SymbolicZero) else ct_loss, ct_grad)
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f
+
+
+def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
+             frozen_argnums: tuple[int, ...] = ()) -> Callable[..., tuple]:
+    """The VJP of `value_and_grad(loss_fn)` computed in `mode`: `vjp(params, inputs, ct_loss, ct_grad) ->
+    (d_params, *d_inputs)` at `(params, *inputs)`, for the cotangents of the loss (None: zero) and of the gradient;
+    inputs that get no cotangent (integers, `frozen_argnums`) get None. `value_and_grad`'s custom VJP is this; a
+    caller holding the primal gradient already (e.g. a saved inner gradient) calls it directly."""
+    if mode not in MODES:
+        raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
+
+    def vjp(params, inputs, ct_loss, ct_grad):
         floats, rebuild, cotangents = _split_floats(inputs, frozen_argnums)
 
         def loss_of(p, fl):
             return loss_fn(p, *rebuild(fl))
 
-        if mode == "mixflow":
+        if mode == "default":  # reverse-over-reverse
+            (value, _), pullback = jax.vjp(jax.value_and_grad(loss_of), params, floats)
+            d_params, d_inputs = pullback((jnp.zeros_like(value) if ct_loss is None else ct_loss, ct_grad))
+        elif mode == "mixflow":
             grad_all = jax.grad(loss_of, argnums=(0, 1))
             (g_p, g_in), (d_params, d_inputs) = jax.jvp(lambda p: grad_all(p, floats), (params,), (ct_grad,))
             if ct_loss is not None:
@@ -103,5 +122,4 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
             d_params, d_inputs = jax.grad(objective, argnums=(0, 1))(params, floats)
         return (d_params, *cotangents(d_inputs))
 
-    f.defvjp(fwd, bwd, symbolic_zeros=True)
-    return f
+    return vjp

@@ -4,6 +4,9 @@ T inner steps run in a `lax.scan`. Each step is checkpointed (`jax.checkpoint`):
 are recomputed in the backward pass, so the outer backward pass holds only the per-step inner
 state (θ_i, υ_i), plus, with `save_inner_grads`, the inner gradients ∇L_i (named `inner_grads` and
 kept by the checkpoint policy), which saves one inner backward pass per step at meta-gradient time.
+With `checkpoint_dtype` (e.g. bfloat16) those per-step states and gradients are stored in that dtype
+instead (`stored_step`): the inner loop itself, the backward pass and the meta-gradient stay in the
+compute dtype, only the copies kept for the backward pass are rounded.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from metatrain import mixflow
 from metatrain.errors import ConfigError
@@ -36,11 +41,15 @@ class MetaGradMethod:
     in the backward pass (T extra inner steps); `binomial` recursive halving down to parts of two
     steps, each level re-run (about T·(log2(T) - 1) extra inner steps), keeping O(log T) states at
     any time. Saved inner gradients are kept for the steps of the part being differentiated.
+
+    `checkpoint_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
+    computed); see `stored_step`.
     """
 
     mode: str = "mixflow"
     save_inner_grads: bool = True
     inner_checkpoint: str = "every_step"
+    checkpoint_dtype: str = ""
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
@@ -48,6 +57,25 @@ class MetaGradMethod:
         if self.inner_checkpoint not in INNER_CHECKPOINTS:
             raise ConfigError(f"inner_checkpoint: unknown schedule {self.inner_checkpoint!r}; "
                               f"choose one of {INNER_CHECKPOINTS}")
+        if self.checkpoint_dtype and not _float_dtype(self.checkpoint_dtype):
+            raise ConfigError(f"checkpoint_dtype: {self.checkpoint_dtype!r} is not a floating-point dtype; use "
+                              "bfloat16, or leave it empty to store the per-step checkpoint as computed")
+        if self.checkpoint_dtype and jnp.finfo(self.checkpoint_dtype).bits < 32 and not self.save_inner_grads:
+            raise ConfigError(NARROW_NEEDS_SAVE)
+
+
+# An inner gradient recomputed from rounded parameters is not the one the inner update used, and the inner Adam
+# update's derivative is steep where a gradient is near zero: the meta-gradient came out wrong by its own size.
+NARROW_NEEDS_SAVE = ("checkpoint_dtype: a per-step checkpoint narrower than float32 needs save_inner_grads=true (the "
+                     "inner gradients kept as the inner update used them; recomputed from rounded parameters they "
+                     "make the meta-gradient wrong); set save_inner_grads=true or leave checkpoint_dtype empty")
+
+
+def _float_dtype(name: str) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        return False
 
 
 @dataclasses.dataclass
@@ -63,6 +91,16 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
     # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
     inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
+    if method.checkpoint_dtype:
+        stored = stored_step(task, method, inner_loss)
+
+        def f(meta, inner, batches, outer_batch):
+            start = task.inner_start(meta, inner)
+            final, inner_losses = unrolled(lambda c, b: stored(c, b, meta, task.frozen), start, batches,
+                                           method.inner_checkpoint)
+            return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
+
+        return f
     inner_value_and_grad = mixflow.value_and_grad(inner_loss, method.mode, frozen_argnums=(2,))
 
     def step(carry, batch, meta):
@@ -82,6 +120,59 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
+
+
+def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Callable:
+    """One inner step `(carry, batch, meta, frozen) -> (carry', loss)`, `carry = (θ_i, υ_i)`, whose backward pass
+    keeps only (θ_i, υ_i) and, with `save_inner_grads`, ∇L_i, stored in `method.checkpoint_dtype`.
+
+    Its custom VJP recomputes nothing forward: the cotangent of (θ_i+1, υ_i+1) goes through the VJP of the
+    inner update at the stored (∇L_i, θ_i, υ_i), then the cotangent it gives ∇L_i through `mixflow.backward` (the
+    mode's Hessian- and mixed-vector products), so a saved gradient is used as such. Everything is computed in
+    the carry's dtype, from the stored values cast back up."""
+    plain = jax.value_and_grad(inner_loss)
+    vjp = mixflow.backward(inner_loss, method.mode, frozen_argnums=(2,))
+    dtype = jnp.dtype(method.checkpoint_dtype)
+    store = lambda tree: jax.tree.map(lambda x: x.astype(dtype) if mixflow._is_float(x) else x, tree)
+    # the cotangents have the primals' dtypes: the stored values go back to those
+    load = lambda tree, like: jax.tree.map(lambda x, c: x.astype(c.dtype) if mixflow._is_float(x) else x, tree, like)
+
+    def run(carry, batch, meta, frozen):
+        theta, opt_state = carry
+        loss, grads = plain(theta, meta, batch, frozen)
+        return task.update(grads, theta, opt_state, meta), loss, grads
+
+    @jax.custom_vjp
+    def step(carry, batch, meta, frozen):
+        new, loss, _ = run(carry, batch, meta, frozen)
+        return new, loss
+
+    def fwd(carry, batch, meta, frozen):  # with symbolic_zeros, primals come wrapped (.value)
+        carry, batch, meta, frozen = jax.tree.map(lambda x: x.value, (carry, batch, meta, frozen),
+                                                  is_leaf=mixflow._is_primal)
+        new, loss, grads = run(carry, batch, meta, frozen)
+        return (new, loss), (store(carry), store(grads) if method.save_inner_grads else None, batch, meta, frozen)
+
+    def bwd(residuals, cotangent):
+        carry, grads, batch, meta, frozen = residuals
+        ct_new, ct_loss = jax.tree.map(_instantiate, cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        theta, opt_state = load(carry, ct_new)
+        grads = plain(theta, meta, batch, frozen)[1] if grads is None else load(grads, ct_new[0])
+        _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
+        ct_grads, ct_theta, ct_opt, ct_meta = pullback(ct_new)
+        ct_loss = None if isinstance(cotangent[1], SymbolicZero) else ct_loss
+        d_theta, d_meta, d_batch, d_frozen = vjp(theta, (meta, batch, frozen), ct_loss, ct_grads)
+        add = lambda d, c: jax.tree.map(lambda x, y: y if x is None else x + y, d, c, is_leaf=lambda x: x is None)
+        return (add(d_theta, ct_theta), ct_opt), d_batch, add(d_meta, ct_meta), d_frozen
+
+    step.defvjp(fwd, bwd, symbolic_zeros=True)
+    return step
+
+
+def _instantiate(c):
+    if not isinstance(c, SymbolicZero):
+        return c
+    return np.zeros(c.shape, jax.dtypes.float0) if c.dtype == jax.dtypes.float0 else jnp.zeros(c.shape, c.dtype)
 
 
 def segments(n_steps: int, schedule: str) -> list[int]:

@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from metatrain.bench import buffers
 from metatrain.bench.compile import compile_report, program_for
@@ -49,11 +50,14 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     program, model, d = built[0], cfg.model, cfg.data
     state, mesh = program.state_shapes, program.mesh
     theta, opt_state = jax.eval_shape(program.task.inner_start, state["meta"], state["inner"])
-    per_step = _on_device(theta, mesh) + _on_device(opt_state, mesh)
+    stored = lambda tree: tree if not variant.checkpoint_dtype else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, variant.checkpoint_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, tree)  # the per-step checkpoint's dtype (+bf16_state)
+    per_step = _on_device(stored(theta), mesh) + _on_device(stored(opt_state), mesh)
     # per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
     # are dynamic memory)
     kept = segments(d.inner_steps, variant.inner_checkpoint)
-    checkpoints = (d.inner_steps * (per_step + (_on_device(theta, mesh) if variant.save else 0))
+    checkpoints = (d.inner_steps * (per_step + (_on_device(stored(theta), mesh) if variant.save else 0))
                    if len(kept) == d.inner_steps else len(kept) * per_step)
     row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
            "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
@@ -98,13 +102,52 @@ def add_ratios(rows: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
+KEY_FIELDS = ("task", "backend", "topology", "params", "n_layers", "d_model", "n_heads", "d_ff", "vocab", "attention",
+              "compute_dtype", "seq_len", "batch", "inner_steps", "lora_rank", "variant")
+
+
+def row_key(row: dict) -> tuple:
+    """What a row was measured at: task, backend, model, shapes and variant (its identity for `run(done=...)`)."""
+    return tuple(row.get(k) for k in KEY_FIELDS)
+
+
+def job_key(cfg: Config, variant: Variant, topology: str | None) -> tuple:
+    """`row_key` of the row `profile(cfg, variant, topology)` would give, without compiling."""
+    model, d = variant.model(cfg.model), cfg.data
+    row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
+           "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
+           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
+           "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
+           "inner_steps": d.inner_steps, "lora_rank": cfg.inner.lora.rank}
+    return row_key(row)
+
+
 def run(configs: list[Config], variant_list: list[Variant], baseline: str = "default+remat",
         topology: str | None = None, progress: Callable = lambda it, **_: it,
-        with_breakdown: bool = False) -> list[dict]:
-    """A row per config and variant (configs carry task, model and shapes), with ratios against `baseline`."""
+        with_breakdown: bool = False, done: list[dict] = (), save: Callable[[list[dict]], None] | None = None
+        ) -> list[dict]:
+    """A row per config and variant (configs carry task, model and shapes), with ratios against `baseline`.
+
+    Resumable: a row of `done` measured at the same task, model, shapes and variant (with a breakdown when one is
+    asked for) is kept instead of compiling again; `save(rows)` is called after every row, so an interrupted run
+    loses at most the compile in progress."""
+    kept = {row_key(r): r for r in done if r.get("breakdown") or not with_breakdown}
     jobs = [(c, v) for c in configs for v in variant_list]
-    return add_ratios([profile(c, v, topology, with_breakdown) for c, v in progress(jobs, desc="compiling")],
-                      baseline)
+    todo = [(c, v) for c, v in jobs if job_key(c, v, topology) not in kept]
+    if len(todo) < len(jobs):
+        print(f"resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already measured, {len(todo)} to compile",
+              flush=True)
+    measured = {}
+    for c, v in progress(todo, desc="compiling"):
+        measured[job_key(c, v, topology)] = profile(c, v, topology, with_breakdown)
+        if save:
+            save(add_ratios([kept.get(k) or measured[k] for k in _keys(jobs, topology) if k in kept | measured],
+                            baseline))
+    return add_ratios([kept.get(k) or measured[k] for k in _keys(jobs, topology)], baseline)
+
+
+def _keys(jobs, topology) -> list[tuple]:
+    return [job_key(c, v, topology) for c, v in jobs]
 
 
 def count(n: int) -> str:

@@ -1,8 +1,9 @@
 """Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
 
-A variant is `MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16]`: a meta-gradient mode, per-block
-rematerialisation, inner gradients saved in the per-step checkpoint, an inner-checkpoint schedule, and
-model options applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
+A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+blockwise][+bf16][+chunked_ce]`: a
+meta-gradient mode, per-block rematerialisation, inner gradients saved in the per-step checkpoint, an
+inner-checkpoint schedule, the per-step checkpoint stored in bfloat16, and model options applied over the
+model it is run on. `run_config` turns a task, a model, the batch shapes
 and a variant into the `Config` whose outer step (`metatrain.step`) the benchmarks compile and time.
 """
 
@@ -24,25 +25,29 @@ from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
                  "chunked_ce": {"loss_chunk": 512}}
 SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = ("MODE[+remat][+save][+sqrt|+binomial][+blockwise][+bf16][+chunked_ce], e.g. "
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+blockwise][+bf16][+chunked_ce], e.g. "
         "mixflow+remat+save+sqrt+blockwise")
+BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints),
-    optionally on a changed model (`model_options`: keys of MODEL_OPTIONS, applied over the model given)."""
+    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints, the
+    dtype they are stored in), optionally on a changed model (`model_options`: keys of MODEL_OPTIONS, applied
+    over the model given)."""
 
     mode: str
     remat: bool
     save: bool
     inner_checkpoint: str = "every_step"
     model_options: tuple[str, ...] = ()
+    checkpoint_dtype: str = ""
 
     @property
     def name(self) -> str:
         schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
-        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
+        stored = "+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else ""
+        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule + stored
                 + "".join("+" + o for o in self.model_options))
 
     def model(self, model: ModelConfig) -> ModelConfig:
@@ -52,12 +57,14 @@ class Variant:
 
     @property
     def method(self) -> MetaGradMethod:
-        return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint)
+        return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint,
+                              checkpoint_dtype=self.checkpoint_dtype)
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` computing its meta-gradient this way, on this variant's model."""
         return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
-                                   inner_checkpoint=self.inner_checkpoint, model=self.model(cfg.model))
+                                   inner_checkpoint=self.inner_checkpoint, checkpoint_dtype=self.checkpoint_dtype,
+                                   model=self.model(cfg.model))
 
 
 def variants(modes=MODES, inner_checkpoint: str = "every_step") -> list[Variant]:
@@ -70,14 +77,18 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
     mode, *opts = name.strip().split("+")
     if mode not in MODES:
         raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
-    unknown = set(opts) - {"remat", "save", *SCHEDULES, *MODEL_OPTIONS}
+    unknown = set(opts) - {"remat", "save", BF16_STATE, *SCHEDULES, *MODEL_OPTIONS}
     if unknown:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
     if len(schedules) > 1:
         raise ConfigError(f"variant {name!r}: one inner-checkpoint schedule at most; use {FORM}")
+    if BF16_STATE in opts and "save" not in opts:
+        raise ConfigError(f"variant {name!r}: +{BF16_STATE} needs +save (a gradient recomputed from rounded "
+                          f"parameters is not the one the inner update used); use {FORM}")
     options = tuple(o for o in MODEL_OPTIONS if o in opts)
-    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options)
+    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options,
+                   "bfloat16" if BF16_STATE in opts else "")
 
 
 def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,

@@ -21,6 +21,8 @@ def cmd_bench_memory(args) -> int:
     from metatrain.bench import memory, report
     from metatrain.bench.variants import run_config, variants
 
+    if args.resume and not args.json:
+        raise ConfigError("--resume keeps the rows of the --json file: give --json PATH too")
     topology = args.topology or ("v5p:1x1x1" if args.backend == "tpu" else None)
     if topology and args.backend != "tpu":
         raise ConfigError("--topology is for --backend tpu (TPU ahead-of-time); drop it or add --backend tpu")
@@ -45,8 +47,10 @@ def cmd_bench_memory(args) -> int:
     where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
+    done = common.read_rows(args.json) if args.resume else []
     rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
-                      with_breakdown=args.breakdown or bool(args.timeline))
+                      with_breakdown=args.breakdown or bool(args.timeline), done=done,
+                      save=(lambda rows: common.write_json(args.json, rows, quiet=True)) if args.json else None)
     print(memory.table(rows, args.baseline))
     if args.breakdown or args.timeline:
         print()
@@ -161,6 +165,9 @@ def register(sub) -> None:
     p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")
     p.add_argument("--baseline", default="default+remat")
     p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
+    p.add_argument("--resume", action="store_true",
+                   help="with --json: keep the rows already in PATH measured at the same task, model, shapes and "
+                        "variant, compile only the rest (PATH is rewritten after every row either way)")
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. baseline=uniform")
     p.set_defaults(fn=cmd_bench_memory)
 

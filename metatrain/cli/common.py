@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tqdm import tqdm
@@ -42,11 +43,34 @@ def progress_lines(it, desc=""):
         yield item
 
 
-def write_json(path, payload) -> None:
+def write_json(path, payload, quiet: bool = False) -> None:
+    """Writes `payload` to `path` (nothing without a path) through a temporary file, so an interruption never
+    leaves half a file."""
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(payload, f, indent=1)
-        print(f"wrote {path}")
+        os.replace(tmp, path)
+        if not quiet:
+            print(f"wrote {path}")
+
+
+def read_rows(path) -> list[dict]:
+    """The rows of a `bench … --json` file (a list, or {"rows": [...]}); none when there is no file yet."""
+    from metatrain.errors import ConfigError
+
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--resume: cannot read {path} ({e}); move it away or drop --resume") from None
+    rows = payload.get("rows") if isinstance(payload, dict) else payload
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"--resume: {path} is not a list of rows written by `bench memory --json`; move it away "
+                          "or drop --resume")
+    return rows
 
 
 def add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch: int, inner_steps: int,

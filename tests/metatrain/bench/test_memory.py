@@ -69,6 +69,25 @@ def test_cli_json_and_table(tmp_path, capsys):
     assert f"| 1 | mixflow+remat+save | {mib(mixflow['peak_bytes'])} | {mib(mixflow['static_bytes'])} |" in text
 
 
+def test_resume_keeps_measured_rows_and_compiles_the_rest(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    argv = ["bench", "memory", *SMALL_FLAGS, "--json", str(out), "--variants"]
+    assert cli.main([*argv, "mixflow+remat+save", "--baseline", "mixflow+remat+save"]) == 0
+    first = json.loads(out.read_text())
+    capsys.readouterr()
+    assert cli.main([*argv, "mixflow+remat,mixflow+remat+save", "--resume", "--baseline", "mixflow+remat"]) == 0
+    assert "resuming: 1 of 2 rows already measured, 1 to compile" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["mixflow+remat", "mixflow+remat+save"]
+    assert rows[1]["compile_s"] == first[0]["compile_s"]  # the row kept, not compiled again
+    assert rows[1]["peak_ratio"] == rows[0]["peak_bytes"] / rows[1]["peak_bytes"]  # ratios against the new baseline
+    out.write_text("{not json")
+    assert cli.main([*argv, "mixflow+remat", "--resume"]) == 2
+    assert f"--resume: cannot read {out}" in capsys.readouterr().err
+    assert cli.main(["bench", "memory", "--model", "tiny", "--resume"]) == 2
+    assert "--resume keeps the rows of the --json file: give --json PATH too" in capsys.readouterr().err
+
+
 def test_blockwise_variant_beside_dense(tmp_path):
     """`+blockwise` in a variant name profiles the blockwise model, in the dense baseline's ratio group;
     at S=256 with blocks of 32 it no longer holds [B, H, S, S] scores, so its temporaries are smaller."""
@@ -146,8 +165,10 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
     # the model of tests/launch/test_tpu.py's compile: its mixflow+remat+save program is compiled once
     flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4"]
     assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags, "--variants",
-                     "mixflow+remat+save", "--baseline", "mixflow+remat+save", "--breakdown", "--json", str(out)]) == 0
+                     "mixflow+remat+save,mixflow+remat+save+bf16_state", "--baseline", "mixflow+remat+save",
+                     "--breakdown", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["mixflow+remat+save", "mixflow+remat+save+bf16_state"]
     p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
     for r in rows:
         assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
@@ -159,7 +180,13 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         assert 0.99 * r["argument_bytes"] <= b["argument_bytes"] <= r["argument_bytes"]
         assert b["live_bytes"] <= r["peak_bytes"]
         assert b["param_sized_bytes"] > 0 and b["other_bytes"] > 0 and b["param_units"] >= 1
-        assert any(s.startswith("f32[2,1,128,") for s in b["param_sized_shapes"]), b["param_sized_shapes"]
+        stacks = [s for s in b["param_sized_shapes"] if s.split("[")[1].startswith("2,1,128,")]
+        # +bf16_state: every checkpoint is bfloat16 in the compiled program (on CPU, XLA widens them back); without
+        # it Adam's state and the saved gradients are float32 (θ_i may be kept as the bfloat16 copy the matmuls use)
+        f32 = [s for s in stacks if s.startswith("f32")]
+        assert stacks and (not f32 if r["variant"].endswith("+bf16_state") else f32), b["param_sized_shapes"]
+    full, half = rows
+    assert half["checkpoint_bytes"] < 0.51 * full["checkpoint_bytes"] and half["peak_bytes"] < full["peak_bytes"]
 
 
 def test_resource_exhausted_figure_is_parsed():
