@@ -22,7 +22,8 @@ def compiled_memory(compiled) -> dict:
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     sizes = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
+             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+             "host_temp_bytes": mem.host_temp_size_in_bytes}  # e.g. offloaded checkpoints; not in the peak
     peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
     return sizes | {"peak_bytes": peak, "flops": float((cost or {}).get("flops", 0.0))}
 

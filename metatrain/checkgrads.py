@@ -100,6 +100,7 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         m = m.replace(loss_chunk=max(1, 2 * data.seq_len // 5)) if m.loss_chunk else m
         task = build(m, remat=v.remat)
         method = dataclasses.replace(v.method, checkpoint_dtype="float64") if v.checkpoint_dtype else v.method
+        # (+offload runs as is: on CPU host memory is the same memory, so this checks its backward pass exactly)
         grad_fn = jax.jit(lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr),
                                                                                           method)(*args))
         _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)

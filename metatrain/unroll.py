@@ -5,8 +5,8 @@ are recomputed in the backward pass, so the outer backward pass holds only the p
 state (θ_i, υ_i), plus, with `save_inner_grads`, the inner gradients ∇L_i (named `inner_grads` and
 kept by the checkpoint policy), which saves one inner backward pass per step at meta-gradient time.
 With `checkpoint_dtype` (e.g. bfloat16) those per-step states and gradients are stored in that dtype
-instead (`stored_step`): the inner loop itself, the backward pass and the meta-gradient stay in the
-compute dtype, only the copies kept for the backward pass are rounded.
+instead, and with `checkpoint_offload` in host memory (`stored_step`): the inner loop itself, the
+backward pass and the meta-gradient stay in the compute dtype and on the device.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ class MetaGradMethod:
     any time. Saved inner gradients are kept for the steps of the part being differentiated.
 
     `checkpoint_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
-    computed); see `stored_step`.
+    computed); `checkpoint_offload`: they are kept in host memory (pinned_host) until the backward pass needs
+    them; see `stored_step`.
     """
 
     mode: str = "mixflow"
     save_inner_grads: bool = True
     inner_checkpoint: str = "every_step"
     checkpoint_dtype: str = ""
+    checkpoint_offload: bool = False
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
@@ -91,7 +93,7 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
     # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
     inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
-    if method.checkpoint_dtype:
+    if method.checkpoint_dtype or method.checkpoint_offload:
         stored = stored_step(task, method, inner_loss)
 
         def f(meta, inner, batches, outer_batch):
@@ -124,7 +126,8 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
 
 def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Callable:
     """One inner step `(carry, batch, meta, frozen) -> (carry', loss)`, `carry = (θ_i, υ_i)`, whose backward pass
-    keeps only (θ_i, υ_i) and, with `save_inner_grads`, ∇L_i, stored in `method.checkpoint_dtype`.
+    keeps only (θ_i, υ_i) and, with `save_inner_grads`, ∇L_i, stored in `method.checkpoint_dtype` (if given) and in
+    host memory (with `method.checkpoint_offload`; XLA moves them out in the forward pass and back in the backward).
 
     Its custom VJP recomputes nothing forward: the cotangent of (θ_i+1, υ_i+1) goes through the VJP of the
     inner update at the stored (∇L_i, θ_i, υ_i), then the cotangent it gives ∇L_i through `mixflow.backward` (the
@@ -132,10 +135,23 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
     the carry's dtype, from the stored values cast back up."""
     plain = jax.value_and_grad(inner_loss)
     vjp = mixflow.backward(inner_loss, method.mode, frozen_argnums=(2,))
-    dtype = jnp.dtype(method.checkpoint_dtype)
-    store = lambda tree: jax.tree.map(lambda x: x.astype(dtype) if mixflow._is_float(x) else x, tree)
-    # the cotangents have the primals' dtypes: the stored values go back to those
-    load = lambda tree, like: jax.tree.map(lambda x, c: x.astype(c.dtype) if mixflow._is_float(x) else x, tree, like)
+    # matrices and up go to the host; scalars (Adam's count) and vectors (norm scales, biases) stay: the TPU compiler
+    # cannot stack a scalar, nor a bfloat16 vector, one step at a time in host memory
+    offload = lambda x: method.checkpoint_offload and x.ndim >= 2
+
+    def store(tree):
+        def one(x):
+            x = x.astype(method.checkpoint_dtype) if method.checkpoint_dtype and mixflow._is_float(x) else x
+            return jax.device_put(x, jax.memory.Space.Host) if offload(x) else x
+
+        return jax.tree.map(one, tree)
+
+    def load(tree, like):  # the cotangents have the primals' dtypes: the stored values go back to those
+        def one(x, c):
+            x = jax.device_put(x, jax.memory.Space.Device) if offload(x) else x
+            return x.astype(c.dtype) if mixflow._is_float(x) else x
+
+        return jax.tree.map(one, tree, like)
 
     def run(carry, batch, meta, frozen):
         theta, opt_state = carry

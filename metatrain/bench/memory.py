@@ -53,12 +53,21 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     stored = lambda tree: tree if not variant.checkpoint_dtype else jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, variant.checkpoint_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, tree)  # the per-step checkpoint's dtype (+bf16_state)
-    per_step = _on_device(stored(theta), mesh) + _on_device(stored(opt_state), mesh)
-    # per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
-    # are dynamic memory)
     kept = segments(d.inner_steps, variant.inner_checkpoint)
-    checkpoints = (d.inner_steps * (per_step + (_on_device(stored(theta), mesh) if variant.save else 0))
-                   if len(kept) == d.inner_steps else len(kept) * per_step)
+
+    def checkpoint_bytes(select=lambda x: True):
+        """per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
+        are dynamic memory); of the leaves `select` picks"""
+        one = lambda tree: device_bytes([x for x in jax.tree.leaves(abstract(stored(tree), tree_shardings(
+            stored(tree), mesh))) if select(x)])
+        per_step = one(theta) + one(opt_state)
+        return (d.inner_steps * (per_step + (one(theta) if variant.save else 0)) if len(kept) == d.inner_steps
+                else len(kept) * per_step)
+
+    checkpoints = checkpoint_bytes()
+    # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
+    # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
+    offloaded = checkpoint_bytes(lambda x: x.ndim >= 2) if variant.offload and topology else 0
     row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
            "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
            "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
@@ -67,7 +76,8 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
            "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
            # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
            "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
-           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints,
+           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints - offloaded,
+           "offloaded_bytes": offloaded,
            # LoRA: θ is the adapters; the frozen base weights are an argument of the step
            "lora_rank": cfg.inner.lora.rank, "frozen_bytes": _on_device(state.get("frozen"), mesh),
            "meta_model_params": param_count(program.task.meta_model)}
@@ -79,13 +89,14 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
             row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
-    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops",
+    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "host_temp_bytes",
+                                       "flops",
                                        "fits", "exact", "hbm_bytes", "refused_bytes", "compile_s")}
     if not report["exact"]:
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
                           f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
-    static = report["peak_bytes"] - report["temp_bytes"] + checkpoints + row["grad_bytes"]
+    static = report["peak_bytes"] - report["temp_bytes"] + row["checkpoint_bytes"] + row["grad_bytes"]
     return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
                   "dynamic_bytes": report["peak_bytes"] - static}
 

@@ -165,10 +165,11 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
     # the model of tests/launch/test_tpu.py's compile: its mixflow+remat+save program is compiled once
     flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4"]
     assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags, "--variants",
-                     "mixflow+remat+save,mixflow+remat+save+bf16_state", "--baseline", "mixflow+remat+save",
-                     "--breakdown", "--json", str(out)]) == 0
+                     "mixflow+remat+save,mixflow+remat+save+bf16_state,mixflow+remat+save+bf16_state+offload",
+                     "--baseline", "mixflow+remat+save", "--breakdown", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["variant"] for r in rows] == ["mixflow+remat+save", "mixflow+remat+save+bf16_state"]
+    assert [r["variant"] for r in rows] == ["mixflow+remat+save", "mixflow+remat+save+bf16_state",
+                                            "mixflow+remat+save+bf16_state+offload"]
     p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
     for r in rows:
         assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
@@ -181,12 +182,17 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         assert b["live_bytes"] <= r["peak_bytes"]
         assert b["param_sized_bytes"] > 0 and b["other_bytes"] > 0 and b["param_units"] >= 1
         stacks = [s for s in b["param_sized_shapes"] if s.split("[")[1].startswith("2,1,128,")]
+        if r["variant"].endswith("+offload"):  # the checkpoints' matrices are in host memory, not on the chip
+            assert not stacks and 0 < r["offloaded_bytes"] <= r["host_temp_bytes"], (r, b["param_sized_shapes"])
+            continue
         # +bf16_state: every checkpoint is bfloat16 in the compiled program (on CPU, XLA widens them back); without
         # it Adam's state and the saved gradients are float32 (θ_i may be kept as the bfloat16 copy the matmuls use)
         f32 = [s for s in stacks if s.startswith("f32")]
         assert stacks and (not f32 if r["variant"].endswith("+bf16_state") else f32), b["param_sized_shapes"]
-    full, half = rows
+        assert r["host_temp_bytes"] == r["offloaded_bytes"] == 0
+    full, half, offloaded = rows
     assert half["checkpoint_bytes"] < 0.51 * full["checkpoint_bytes"] and half["peak_bytes"] < full["peak_bytes"]
+    assert offloaded["offloaded_bytes"] > 0.99 * half["checkpoint_bytes"] > 100 * offloaded["checkpoint_bytes"]
 
 
 def test_resource_exhausted_figure_is_parsed():
