@@ -24,9 +24,13 @@ def cmd_check_grads(args) -> int:
                                      modes=tuple(args.modes.split(",")), inner_checkpoint=args.inner_checkpoint,
                                      only=common.variants(args, args.variants) if args.variants else None,
                                      progress=common.progress, lora=lora, meta_model=meta_model_config(cfg))
-    print(f"{'variant':<22} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
+    width = max(22, *(len(r.variant) for r in results))
+    print(f"{'variant':<{width}} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
     for r in results:
-        print(f"{r.variant:<22} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
+        print(f"{r.variant:<{width}} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
+    if any("+bf16_state" in r.variant for r in results):
+        print("(+bf16_state: its backward pass run with float64 storage; what bfloat16 rounding costs is bounded by "
+              "a test of its own)")
     bad = [r.variant for r in results if not r.ok]
     common.write_json(args.json, {"task": args.task, "tol_rel": args.tol_rel, "tol_fd": args.tol_fd,
                                   "results": [vars(r) for r in results]})
