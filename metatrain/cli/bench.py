@@ -55,6 +55,9 @@ def cmd_bench_memory(args) -> int:
     if args.breakdown or args.timeline:
         print()
         print(memory.breakdown_table(rows))
+    if args.grid == "ablation" and args.model in report.PAPER_ABLATION_TPU:
+        print()
+        print(report.ablation_comparison(rows, args.model))
     if args.grid == "ladder":
         other = next((v.name for v in chosen if v.name == "mixflow+remat+save"), chosen[-1].name)
         print()

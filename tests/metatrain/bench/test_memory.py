@@ -144,6 +144,20 @@ def test_paper_comparison_names_static_and_where_it_dominates():
     assert "which state no task or shapes" in text
 
 
+def test_ablation_beside_the_papers_table():
+    from metatrain.aot import GiB
+    from metatrain.bench.report import ABLATION, ablation_comparison
+
+    rows = [_row(44e6, v, (40 - 4 * i) * GiB, GiB, GiB) for i, v in enumerate(ABLATION)]  # 40, 36, 32, ... GiB
+    rows[0]["fits"] = False
+    text = ablation_comparison(rows, "44m")
+    assert "| - | - | - | default | 40.00 (over HBM) | 70.2 | 0.80x | 0.47x |" in text  # 32 ÷ 40; 32.8 ÷ 70.2
+    assert "| + | + | + | mixflow+remat+save | 12.00 | 12.9 | 2.67x | 2.54x |" in text
+    assert "Table 3 ('Case study for 44M transformer')" in text
+    other = ablation_comparison([r | {"seq_len": 1024} for r in rows], "44m")  # not the setting we assume for it
+    assert "| 12.00 | - | 2.67x | - |" in other and "no paper figures" in other
+
+
 def test_ladder_grid_on_cpu(tmp_path, capsys):
     png, timeline, out_json = tmp_path / "ladder.png", tmp_path / "timeline.png", tmp_path / "rows.json"
     assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16",
