@@ -93,35 +93,34 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
     # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
     inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
-    if method.checkpoint_dtype or method.checkpoint_offload:
-        stored = stored_step(task, method, inner_loss)
+    step = (stored_step if method.checkpoint_dtype or method.checkpoint_offload else checkpointed_step)(
+        task, method, inner_loss)
 
-        def f(meta, inner, batches, outer_batch):
-            start = task.inner_start(meta, inner)
-            final, inner_losses = unrolled(lambda c, b: stored(c, b, meta, task.frozen), start, batches,
-                                           method.inner_checkpoint)
-            return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
+    def f(meta, inner, batches, outer_batch):
+        start = task.inner_start(meta, inner)
+        final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
+                                       method.inner_checkpoint)
+        return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
-        return f
+    return f
+
+
+def checkpointed_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Callable:
+    """One inner step `(carry, batch, meta, frozen) -> (carry', loss)`, `carry = (θ_i, υ_i)`, its inner gradient in
+    the method's mode, checkpointed: the backward pass keeps its inputs (and the gradient, named, with
+    `save_inner_grads`) and recomputes the rest."""
     inner_value_and_grad = mixflow.value_and_grad(inner_loss, method.mode, frozen_argnums=(2,))
 
-    def step(carry, batch, meta):
+    def step(carry, batch, meta, frozen):
         theta, opt_state = carry
-        loss, grads = inner_value_and_grad(theta, meta, batch, task.frozen)
+        loss, grads = inner_value_and_grad(theta, meta, batch, frozen)
         if method.save_inner_grads:
             grads = jax.tree.map(lambda g: checkpoint_name(g, INNER_GRADS), grads)
         return task.update(grads, theta, opt_state, meta), loss
 
     policy = (jax.checkpoint_policies.save_only_these_names(INNER_GRADS) if method.save_inner_grads
               else jax.checkpoint_policies.nothing_saveable)
-    step = jax.checkpoint(step, policy=policy)
-
-    def f(meta, inner, batches, outer_batch):
-        start = task.inner_start(meta, inner)
-        final, inner_losses = unrolled(lambda c, b: step(c, b, meta), start, batches, method.inner_checkpoint)
-        return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
-
-    return f
+    return jax.checkpoint(step, policy=policy)
 
 
 def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Callable:
