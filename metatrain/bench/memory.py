@@ -140,11 +140,14 @@ def run(configs: list[Config], variant_list: list[Variant], baseline: str = "def
     """A row per config and variant (configs carry task, model and shapes), with ratios against `baseline`.
 
     Resumable: a row of `done` measured at the same task, model, shapes and variant (with a breakdown when one is
-    asked for) is kept instead of compiling again; `save(rows)` is called after every row, so an interrupted run
-    loses at most the compile in progress."""
+    asked for) is kept instead of compiling again; `save(rows)` is called after every row with this run's rows so
+    far and the rows of `done` it does not measure, so an interrupted run loses at most the compile in progress and
+    a run over fewer variants loses no row. Returns this run's rows."""
     kept = {row_key(r): r for r in done if r.get("breakdown") or not with_breakdown}
     jobs = [(c, v) for c in configs for v in variant_list]
-    todo = [(c, v) for c, v in jobs if job_key(c, v, topology) not in kept]
+    keys = [job_key(c, v, topology) for c, v in jobs]
+    others = [r for r in done if row_key(r) not in keys]
+    todo = [(c, v) for (c, v), k in zip(jobs, keys) if k not in kept]
     if len(todo) < len(jobs):
         print(f"resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already measured, {len(todo)} to compile",
               flush=True)
@@ -152,13 +155,11 @@ def run(configs: list[Config], variant_list: list[Variant], baseline: str = "def
     for c, v in progress(todo, desc="compiling"):
         measured[job_key(c, v, topology)] = profile(c, v, topology, with_breakdown)
         if save:
-            save(add_ratios([kept.get(k) or measured[k] for k in _keys(jobs, topology) if k in kept | measured],
-                            baseline))
-    return add_ratios([kept.get(k) or measured[k] for k in _keys(jobs, topology)], baseline)
-
-
-def _keys(jobs, topology) -> list[tuple]:
-    return [job_key(c, v, topology) for c, v in jobs]
+            save(others + add_ratios([kept.get(k) or measured[k] for k in keys if k in kept | measured], baseline))
+    rows = add_ratios([kept.get(k) or measured[k] for k in keys], baseline)
+    if save:
+        save(others + rows)
+    return rows
 
 
 def count(n: int) -> str:

@@ -62,7 +62,8 @@ def cmd_bench_memory(args) -> int:
         other = next((v.name for v in chosen if v.name == "mixflow+remat+save"), chosen[-1].name)
         print()
         print(report.paper_comparison(rows, names, args.baseline, other))
-    common.write_json(args.json, rows)
+    if args.json:  # written after every row (with the file's rows this run did not measure)
+        print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {report.plot(rows, args.grid, args.baseline, args.plot)}")
     if args.timeline:

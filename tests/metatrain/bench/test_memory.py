@@ -81,6 +81,9 @@ def test_resume_keeps_measured_rows_and_compiles_the_rest(tmp_path, capsys):
     assert [r["variant"] for r in rows] == ["mixflow+remat", "mixflow+remat+save"]
     assert rows[1]["compile_s"] == first[0]["compile_s"]  # the row kept, not compiled again
     assert rows[1]["peak_ratio"] == rows[0]["peak_bytes"] / rows[1]["peak_bytes"]  # ratios against the new baseline
+    assert cli.main([*argv, "mixflow+remat", "--resume", "--baseline", "mixflow+remat"]) == 0
+    kept = {r["variant"]: r for r in json.loads(out.read_text())}  # a run over fewer variants keeps the other rows
+    assert sorted(kept) == ["mixflow+remat", "mixflow+remat+save"] and kept["mixflow+remat+save"] == rows[1]
     out.write_text("{not json")
     assert cli.main([*argv, "mixflow+remat", "--resume"]) == 2
     assert f"--resume: cannot read {out}" in capsys.readouterr().err
