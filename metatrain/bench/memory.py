@@ -47,7 +47,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     "timeline"."""
     cfg = variant.apply(cfg)
     built = program_for(cfg, topology)
-    program, model, d = built[0], cfg.model, cfg.data
+    program, d = built[0], cfg.data
     state, mesh = program.state_shapes, program.mesh
     theta, opt_state = jax.eval_shape(program.task.inner_start, state["meta"], state["inner"])
     stored = lambda tree: tree if not variant.checkpoint_dtype else jax.tree.map(
@@ -68,19 +68,16 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
     offloaded = checkpoint_bytes(lambda x: x.ndim >= 2) if variant.offload and topology else 0
-    row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
-           "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
-           "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
-           "inner_steps": d.inner_steps, "inner_checkpoint": variant.inner_checkpoint,
-           "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
-           # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
-           "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
-           "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints - offloaded,
-           "offloaded_bytes": offloaded,
-           # LoRA: θ is the adapters; the frozen base weights are an argument of the step
-           "lora_rank": cfg.inner.lora.rank, "frozen_bytes": _on_device(state.get("frozen"), mesh),
-           "meta_model_params": param_count(program.task.meta_model)}
+    row = identity(cfg, variant, topology) | {
+        "inner_checkpoint": variant.inner_checkpoint,
+        "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
+        # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
+        "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
+        "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints - offloaded,
+        "offloaded_bytes": offloaded,
+        # LoRA: θ is the adapters; the frozen base weights are an argument of the step
+        "frozen_bytes": _on_device(state.get("frozen"), mesh),
+        "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"]
     with tempfile.TemporaryDirectory() as dump:
         with buffers.fresh_compiles() if with_breakdown else contextlib.nullcontext():
@@ -89,9 +86,9 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
             row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
-    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "host_temp_bytes",
-                                       "flops",
-                                       "fits", "exact", "hbm_bytes", "refused_bytes", "compile_s")}
+    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                                       "host_temp_bytes", "flops", "fits", "exact", "hbm_bytes", "refused_bytes",
+                                       "compile_s")}
     if not report["exact"]:
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
@@ -117,20 +114,24 @@ KEY_FIELDS = ("task", "backend", "topology", "params", "n_layers", "d_model", "n
               "compute_dtype", "seq_len", "batch", "inner_steps", "lora_rank", "variant")
 
 
+def identity(cfg: Config, variant: Variant, topology: str | None) -> dict:
+    """What a row is measured at (KEY_FIELDS): task, backend, model, shapes and variant; known before compiling."""
+    model, d = variant.model(cfg.model), cfg.data
+    return {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
+            "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
+            "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
+            "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
+            "inner_steps": d.inner_steps, "lora_rank": cfg.inner.lora.rank}
+
+
 def row_key(row: dict) -> tuple:
-    """What a row was measured at: task, backend, model, shapes and variant (its identity for `run(done=...)`)."""
+    """A row's identity for `run(done=...)`."""
     return tuple(row.get(k) for k in KEY_FIELDS)
 
 
 def job_key(cfg: Config, variant: Variant, topology: str | None) -> tuple:
     """`row_key` of the row `profile(cfg, variant, topology)` would give, without compiling."""
-    model, d = variant.model(cfg.model), cfg.data
-    row = {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
-           "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-           "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
-           "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
-           "inner_steps": d.inner_steps, "lora_rank": cfg.inner.lora.rank}
-    return row_key(row)
+    return row_key(identity(cfg, variant, topology))
 
 
 def run(configs: list[Config], variant_list: list[Variant], baseline: str = "default+remat",
