@@ -2,8 +2,6 @@
 by a bounded amount, and bad combinations are one-line config errors. (check-grads checks the same backward pass
 with float64 storage exactly: tests/metatrain/test_checkgrads.py.)"""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,9 +16,8 @@ from metatrain.step import random_batches
 from metatrain.unroll import MetaGradMethod, meta_value_and_grad
 
 
-def meta_grad(task_name: str, variant: str, checkpoint_dtype: str | None = None):
+def meta_grad(task_name: str, variant: str):
     v = parse_variant(variant)
-    v = v if checkpoint_dtype is None else dataclasses.replace(v, checkpoint_dtype=checkpoint_dtype)
     model = preset("tiny")
     task = build_task(task_name, model, remat=v.remat)
     meta = task.init_meta(jax.random.key(0))
@@ -39,9 +36,6 @@ def test_bf16_storage_bounds_the_meta_gradient(task):
     value_16, g = meta_grad(task, "mixflow+remat+save+bf16_state")
     assert value_16 == value  # the inner loop runs in float32 either way: only the stored copies are rounded
     scale = jnp.max(jnp.abs(ref))
-    if task == "maml":  # the same backward pass storing float32: the difference below is the rounding's
-        _, g_32 = meta_grad(task, "mixflow+remat+save", checkpoint_dtype="float32")
-        assert float(jnp.max(jnp.abs(g_32 - ref)) / scale) < 1e-5
     rel = float(jnp.max(jnp.abs(g - ref)) / scale)  # measured: 0.038 (maml), 0.0019 (loss_weighting)
     cosine = float(g @ ref / (jnp.linalg.norm(g) * jnp.linalg.norm(ref)))
     assert 1e-4 < rel < 0.1 and cosine > 0.999, (rel, cosine)
