@@ -134,9 +134,7 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
     the carry's dtype, from the stored values cast back up."""
     plain = jax.value_and_grad(inner_loss)
     vjp = mixflow.backward(inner_loss, method.mode, frozen_argnums=(2,))
-    # matrices and up go to the host; scalars (Adam's count) and vectors (norm scales, biases) stay: the TPU compiler
-    # cannot stack a scalar, nor a bfloat16 vector, one step at a time in host memory
-    offload = lambda x: method.checkpoint_offload and x.ndim >= 2
+    offload = lambda x: method.checkpoint_offload and offloadable(x)
 
     def store(tree):
         def one(x):
@@ -170,18 +168,26 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
 
     def bwd(residuals, cotangent):
         carry, grads, batch, meta, frozen = residuals
-        ct_new, ct_loss = jax.tree.map(_instantiate, cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        ct_new, ct_loss = cotangent
+        ct_new = jax.tree.map(_instantiate, ct_new, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
         theta, opt_state = load(carry, ct_new)
         grads = plain(theta, meta, batch, frozen)[1] if grads is None else load(grads, ct_new[0])
         _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
         ct_grads, ct_theta, ct_opt, ct_meta = pullback(ct_new)
-        ct_loss = None if isinstance(cotangent[1], SymbolicZero) else ct_loss
         d_theta, d_meta, d_batch, d_frozen = vjp(theta, (meta, batch, frozen), ct_loss, ct_grads)
         add = lambda d, c: jax.tree.map(lambda x, y: y if x is None else x + y, d, c, is_leaf=lambda x: x is None)
         return (add(d_theta, ct_theta), ct_opt), d_batch, add(d_meta, ct_meta), d_frozen
 
     step.defvjp(fwd, bwd, symbolic_zeros=True)
     return step
+
+
+def offloadable(x) -> bool:
+    """Whether `checkpoint_offload` moves a checkpoint leaf to the host: matrices and up. Scalars (Adam's count)
+    and vectors (norm scales, biases) stay: the TPU compiler cannot stack a scalar, nor a bfloat16 vector, one
+    step at a time in host memory."""
+    return x.ndim >= 2
 
 
 def _instantiate(c):

@@ -34,7 +34,7 @@ from metatrain.config import Config
 from metatrain.errors import ConfigError
 from metatrain.models import param_count
 from metatrain.sharding import abstract, device_bytes, tree_shardings
-from metatrain.unroll import segments
+from metatrain.unroll import offloadable, segments
 
 
 def _on_device(tree, mesh) -> int:
@@ -58,16 +58,19 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     def checkpoint_bytes(select=lambda x: True):
         """per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
         are dynamic memory); of the leaves `select` picks"""
-        one = lambda tree: device_bytes([x for x in jax.tree.leaves(abstract(stored(tree), tree_shardings(
-            stored(tree), mesh))) if select(x)])
-        per_step = one(theta) + one(opt_state)
-        return (d.inner_steps * (per_step + (one(theta) if variant.save else 0)) if len(kept) == d.inner_steps
+        def one(tree):
+            tree = stored(tree)
+            return device_bytes([x for x in jax.tree.leaves(abstract(tree, tree_shardings(tree, mesh))) if select(x)])
+
+        params = one(theta)
+        per_step = params + one(opt_state)
+        return (d.inner_steps * (per_step + (params if variant.save else 0)) if len(kept) == d.inner_steps
                 else len(kept) * per_step)
 
     checkpoints = checkpoint_bytes()
     # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
-    offloaded = checkpoint_bytes(lambda x: x.ndim >= 2) if variant.offload and topology else 0
+    offloaded = checkpoint_bytes(offloadable) if variant.offload and topology else 0
     row = identity(cfg, variant, topology) | {
         "inner_checkpoint": variant.inner_checkpoint,
         "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
@@ -148,19 +151,19 @@ def run(configs: list[Config], variant_list: list[Variant], baseline: str = "def
     jobs = [(c, v) for c in configs for v in variant_list]
     keys = [job_key(c, v, topology) for c, v in jobs]
     others = [r for r in done if row_key(r) not in keys]
-    todo = [(c, v) for (c, v), k in zip(jobs, keys) if k not in kept]
+    todo = [(c, v, k) for (c, v), k in zip(jobs, keys) if k not in kept]
     if len(todo) < len(jobs):
         print(f"resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already measured, {len(todo)} to compile",
               flush=True)
     measured = {}
-    for c, v in progress(todo, desc="compiling"):
-        measured[job_key(c, v, topology)] = profile(c, v, topology, with_breakdown)
+    rows = lambda: add_ratios([kept.get(k) or measured[k] for k in keys if k in kept or k in measured], baseline)
+    for c, v, k in progress(todo, desc="compiling"):
+        measured[k] = profile(c, v, topology, with_breakdown)
         if save:
-            save(others + add_ratios([kept.get(k) or measured[k] for k in keys if k in kept | measured], baseline))
-    rows = add_ratios([kept.get(k) or measured[k] for k in keys], baseline)
-    if save:
-        save(others + rows)
-    return rows
+            save(others + rows())
+    if save and not todo:
+        save(others + rows())
+    return rows()
 
 
 def count(n: int) -> str:

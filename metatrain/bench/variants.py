@@ -48,10 +48,9 @@ class Variant:
     @property
     def name(self) -> str:
         schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
-        stored = ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "") + ("+" + OFFLOAD if self.offload
-                                                                                     else "")
-        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule + stored
-                + "".join("+" + o for o in self.model_options))
+        return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
+                + ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "")
+                + ("+" + OFFLOAD if self.offload else "") + "".join("+" + o for o in self.model_options))
 
     def model(self, model: ModelConfig) -> ModelConfig:
         """The model this variant runs: `model` with its block remat and model options."""
