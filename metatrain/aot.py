@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+import jax
+
 from metatrain.errors import ConfigError
 
 GiB = 2**30
@@ -18,14 +20,28 @@ HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.74, "v6e": 32.0
 
 
 def compiled_memory(compiled) -> dict:
-    """A compiled program's buffer sizes, its peak (arguments + outputs - aliased + temp) and XLA's FLOPs."""
+    """A compiled program's buffer sizes, its peak and XLA's FLOPs.
+
+    On a TPU the peak is the compiler's own (`peak_memory_in_bytes`): the high-water mark of its buffer
+    assignment over the schedule, arguments and outputs included, which is the figure libtpu holds against the
+    chip's HBM when it decides whether a program fits. libtpu's `temp_size_in_bytes` counts more than that
+    assignment holds (on loops over stacked buffers, up to a third more), so arguments + outputs - aliased + temp
+    overstates the peak there; it is kept as `temp_sum_bytes`. Elsewhere (CPU) the peak is that sum."""
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     sizes = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
              "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
              "host_temp_bytes": mem.host_temp_size_in_bytes}  # e.g. offloaded checkpoints; not in the peak
-    peak = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
-    return sizes | {"peak_bytes": peak, "flops": float((cost or {}).get("flops", 0.0))}
+    total = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
+    peak = mem.peak_memory_in_bytes if platform(compiled) == "tpu" else total
+    return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": float((cost or {}).get("flops", 0.0))}
+
+
+def platform(compiled) -> str:
+    """The platform a compiled program is for ("tpu" for an ahead-of-time TPU topology too)."""
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
 
 
 def topology_devices(topology: str):

@@ -94,6 +94,7 @@ class Config:
     inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
     checkpoint_dtype: str = ""  # "" (as computed) | bfloat16: the dtype those states and saved gradients are kept in
     checkpoint_offload: bool = False  # keep them in host memory until the backward pass (TPU/GPU; no gain on CPU)
+    inner_unroll: bool = False  # the inner steps as straight-line code, not a loop: each checkpoint freed once used
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)

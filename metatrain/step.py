@@ -148,7 +148,7 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
     method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint,
-                            cfg.checkpoint_dtype, cfg.checkpoint_offload)
+                            cfg.checkpoint_dtype, cfg.checkpoint_offload, cfg.inner_unroll)
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
                    step=functools.partial(outer_step, task, method, meta_opt), mesh=mesh, data=cfg.data,
                    meta_opt=meta_opt, method=method)

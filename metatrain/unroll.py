@@ -44,7 +44,8 @@ class MetaGradMethod:
 
     `checkpoint_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
     computed); `checkpoint_offload`: they are kept in host memory (pinned_host) until the backward pass needs
-    them; see `stored_step`.
+    them; see `stored_step`. `unroll`: the inner steps are traced one after the other instead of as a loop (see
+    `unrolled`).
     """
 
     mode: str = "mixflow"
@@ -52,6 +53,7 @@ class MetaGradMethod:
     inner_checkpoint: str = "every_step"
     checkpoint_dtype: str = ""
     checkpoint_offload: bool = False
+    unroll: bool = False
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
@@ -99,7 +101,7 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
         final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
-                                       method.inner_checkpoint)
+                                       method.inner_checkpoint, method.unroll)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
@@ -206,13 +208,19 @@ def segments(n_steps: int, schedule: str) -> list[int]:
     return [n_steps // 2, n_steps - n_steps // 2]  # binomial: the top halves
 
 
-def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
-    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `MetaGradMethod`)."""
+def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unroll: bool = False):
+    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `MetaGradMethod`).
+
+    `unroll`: the steps (of each segment) are traced one after the other, not as a loop. The same arithmetic; what
+    changes is memory: a loop keeps its per-step checkpoints in [T, ...] stacks that live until the loop's
+    backward pass ends, and XLA copies each step's slice out of them; unrolled, each step's checkpoint is its own
+    buffer, freed as soon as that step's backward pass has used it. The program grows with T (compile time too)."""
     n = jax.tree.leaves(batches)[0].shape[0]
+    scan = lambda f, c, b: jax.lax.scan(f, c, b, unroll=unroll)
     if schedule == "every_step" or n <= 2:
-        return jax.lax.scan(step, carry, batches)
+        return scan(step, carry, batches)
     if schedule == "sqrt":
-        segment = jax.checkpoint(lambda c, b: jax.lax.scan(step, c, b),
+        segment = jax.checkpoint(lambda c, b: scan(step, c, b),
                                  policy=jax.checkpoint_policies.nothing_saveable)
         k = segments(n, schedule)[0]
         full = n // k  # segments of k steps, scanned; then the remainder as one more segment
@@ -227,7 +235,7 @@ def unrolled(step: Callable, carry, batches, schedule: str = "every_step"):
     def halves(c, b):  # binomial: each half checkpointed, recursively, down to parts of <= 2 steps
         m = jax.tree.leaves(b)[0].shape[0]
         if m <= 2:
-            return jax.lax.scan(step, c, b)
+            return scan(step, c, b)
         part = lambda lo, hi: jax.tree.map(lambda x: x[lo:hi], b)
         c, first = checkpointed(c, part(0, m // 2))
         c, second = checkpointed(c, part(m // 2, m))

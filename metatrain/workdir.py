@@ -21,7 +21,7 @@ from metatrain.errors import ConfigError, TrainingError
 # Fields a resumed run may change: how long and how it runs, not what it computes or what its state holds.
 RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps",
              "eval_batches", "eval_every", "mode", "inner_checkpoint", "save_inner_grads", "checkpoint_dtype",
-             "checkpoint_offload", "inner_lr",
+             "checkpoint_offload", "inner_unroll", "inner_lr",
              "inner.init_from", "data.data_dir", "meta_opt.lr", "meta_opt.clip_norm", "meta_opt.eps",
              "meta_opt.weight_decay")
 RESUMABLE_GROUPS = ("mesh.", "log.")

@@ -10,8 +10,9 @@ each position of the schedule (a loop's body appears once: its iterations reuse 
 `peak_regions` those live where that sum peaks; `breakdown` sorts them into the program's inputs (arguments:
 the state and batches), parameter-sized buffers (a leaf of θ's shape, or a stack of a few:
 gradients, cotangents, HVP results, per-step checkpoints, Adam moments) and the rest (activations and their
-derivatives, small buffers). The live sum is at most the compiled peak (`memory_analysis()`): the allocator
-also leaves gaps. On a TPU the figures are the HBM's (memory space 0); VMEM is left out.
+derivatives, small buffers). On a TPU the live sum where it peaks is the compiled peak (`peak_memory_in_bytes`)
+and the figures are the HBM's (memory space 0; VMEM is left out); on CPU it is at most the compiled peak (the
+allocator also leaves gaps).
 """
 
 from __future__ import annotations

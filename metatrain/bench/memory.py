@@ -5,12 +5,14 @@ meta-gradient and the meta-optimizer update, state donated) is lowered with `jax
 inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TPU needed), and
 `compiled.memory_analysis()` gives the sizes. We split the peak as the paper does (Sec. 4, A.3):
 
-- peak     = arguments + outputs - aliased + temp   (everything live at the high-water mark)
+- peak     = everything live at the high-water mark: on TPU the compiler's own figure (`aot.compiled_memory`),
+             on CPU arguments + outputs - aliased + temp
 - static   = arguments + outputs - aliased + per-step checkpoints + ∇η: the state (η, the meta-optimizer
              state, a carried inner state), the batches, T x (θ, υ) and with saved inner gradients
              T x ∇L, and the meta-gradient: allocated once, written once.
 - dynamic  = peak - static: activations and partial derivatives that are reused from step to step.
-             This is what mixed-mode differentiation reduces.
+             This is what mixed-mode differentiation reduces. Not split for `+unroll` (the checkpoints are
+             freed step by step, not all live at the peak): static and dynamic are None there.
 
 The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
 every figure is per chip (FSDP over all chips). A program over the chip's HBM, which the TPU compiler
@@ -89,14 +91,16 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
             row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
-    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+    row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
                                        "host_temp_bytes", "flops", "fits", "exact", "hbm_bytes", "refused_bytes",
                                        "compile_s")}
     if not report["exact"]:
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
                           f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
-    static = report["peak_bytes"] - report["temp_bytes"] + row["checkpoint_bytes"] + row["grad_bytes"]
+    if variant.unroll:  # each step's checkpoint is freed once its backward pass has used it: the split does not hold
+        return row | {"peak_bytes": report["peak_bytes"], "static_bytes": None, "dynamic_bytes": None}
+    static = report["temp_sum_bytes"] - report["temp_bytes"] + row["checkpoint_bytes"] + row["grad_bytes"]
     return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
                   "dynamic_bytes": report["peak_bytes"] - static}
 
@@ -207,8 +211,8 @@ def breakdown_table(rows: list[dict]) -> str:
         lines.append(f"| {count(r['params'])} | {r['variant']} | {g(r['peak_bytes'])} | {g(b['live_bytes'])} | "
                      f"{g(b['argument_bytes'])} | "
                      f"{g(b['param_sized_bytes'])} ({b['param_units']:.1f}) | {g(b['other_bytes'])} | {shapes} |")
-    return "\n".join(lines) + ("\n(GiB; compiled peak: memory_analysis(); live at peak: the buffers live where the "
-                               "sum over the compiler's buffer assignment peaks, each place in memory once (the "
-                               "compiled peak also counts the allocator's gaps, and on TPU more that the dumped "
-                               "assignment does not attribute); parameter-sized: a leaf of θ's shape, or a stack of "
-                               "per-step copies; x θ: their bytes over θ's)")
+    return "\n".join(lines) + ("\n(GiB; compiled peak: the rows' peak; live at peak: the buffers live where the "
+                               "sum over the compiler's buffer assignment peaks, each place in memory once (on TPU "
+                               "the same figure; on CPU the compiled peak also counts the allocator's gaps); "
+                               "parameter-sized: a leaf of θ's shape, or a stack of per-step copies; x θ: their "
+                               "bytes over θ's)")

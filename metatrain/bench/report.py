@@ -107,6 +107,11 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
     return "\n".join(lines) + f"\n({note})"
 
 
+def _nan(x):
+    """None (a row without a static/dynamic split) as a gap in a plotted line."""
+    return float("nan") if x is None else x
+
+
 def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
     """Ladder: ratios vs parameter count. Layers: memory and ratios vs depth. Tasks/ablation: peak per variant."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -118,11 +123,11 @@ def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
             rs = [r for r in rows if r["variant"] == v]
             xs = [r[x_key] for r in rs]
             left.plot(xs, [r["peak_bytes"] / GiB for r in rs], "o-", label=f"{v} peak")
-            left.plot(xs, [r["dynamic_bytes"] / GiB for r in rs], "x--", label=f"{v} dynamic")
+            left.plot(xs, [_nan(r["dynamic_bytes"]) / GiB for r in rs], "x--", label=f"{v} dynamic")
         for v in others:
             rs = [r for r in rows if r["variant"] == v and r["peak_ratio"]]
             right.plot([r[x_key] for r in rs], [r["peak_ratio"] for r in rs], "o-", label=f"peak, {v}")
-            right.plot([r[x_key] for r in rs], [r["dynamic_ratio"] for r in rs], "x--", label=f"dynamic, {v}")
+            right.plot([r[x_key] for r in rs], [_nan(r["dynamic_ratio"]) for r in rs], "x--", label=f"dynamic, {v}")
         for ax in (left, right):
             ax.set_xlabel(x_label)
             if grid == "ladder":

@@ -1,8 +1,9 @@
 """Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
 
-A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+blockwise][+bf16][+chunked_ce]`: a
-meta-gradient mode, per-block rematerialisation, inner gradients saved in the per-step checkpoint, an
-inner-checkpoint schedule, the per-step checkpoint stored in bfloat16 and/or in host memory, and model options
+A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+unroll][+blockwise][+bf16][+chunked_ce]`:
+a meta-gradient mode, per-block rematerialisation, inner gradients saved in the per-step checkpoint, an
+inner-checkpoint schedule, the per-step checkpoint stored in bfloat16 and/or in host memory, the inner steps
+unrolled (straight-line code, not a loop), and model options
 applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
 and a variant into the `Config` whose outer step (`metatrain.step`) the benchmarks compile and time.
 """
@@ -25,10 +26,11 @@ from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
                  "chunked_ce": {"loss_chunk": 512}}
 SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+blockwise][+bf16][+chunked_ce], e.g. "
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+unroll][+blockwise][+bf16][+chunked_ce], e.g. "
         "mixflow+remat+save+sqrt+blockwise")
 BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
 OFFLOAD = "offload"  # ... and/or kept in host memory until the backward pass
+UNROLL = "unroll"  # the inner steps unrolled: each step's checkpoint its own buffer, freed once used
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +46,15 @@ class Variant:
     model_options: tuple[str, ...] = ()
     checkpoint_dtype: str = ""
     offload: bool = False
+    unroll: bool = False
 
     @property
     def name(self) -> str:
         schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
         return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
                 + ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "")
-                + ("+" + OFFLOAD if self.offload else "") + "".join("+" + o for o in self.model_options))
+                + ("+" + OFFLOAD if self.offload else "") + ("+" + UNROLL if self.unroll else "")
+                + "".join("+" + o for o in self.model_options))
 
     def model(self, model: ModelConfig) -> ModelConfig:
         """The model this variant runs: `model` with its block remat and model options."""
@@ -60,13 +64,15 @@ class Variant:
     @property
     def method(self) -> MetaGradMethod:
         return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint,
-                              checkpoint_dtype=self.checkpoint_dtype, checkpoint_offload=self.offload)
+                              checkpoint_dtype=self.checkpoint_dtype, checkpoint_offload=self.offload,
+                              unroll=self.unroll)
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` computing its meta-gradient this way, on this variant's model."""
         return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
                                    inner_checkpoint=self.inner_checkpoint, checkpoint_dtype=self.checkpoint_dtype,
-                                   checkpoint_offload=self.offload, model=self.model(cfg.model))
+                                   checkpoint_offload=self.offload, inner_unroll=self.unroll,
+                                   model=self.model(cfg.model))
 
 
 def variants(modes=MODES, inner_checkpoint: str = "every_step") -> list[Variant]:
@@ -79,7 +85,7 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
     mode, *opts = name.strip().split("+")
     if mode not in MODES:
         raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
-    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, *SCHEDULES, *MODEL_OPTIONS}
+    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, UNROLL, *SCHEDULES, *MODEL_OPTIONS}
     if unknown:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
@@ -90,7 +96,7 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
                           f"parameters is not the one the inner update used); use {FORM}")
     options = tuple(o for o in MODEL_OPTIONS if o in opts)
     return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options,
-                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts)
+                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts)
 
 
 def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,

@@ -30,7 +30,9 @@ def test_rows_add_up_and_ratio_grows_with_layers():
     rows = memory.run(configs, VARIANTS)
     for r in rows:
         assert r["static_bytes"] + r["dynamic_bytes"] == r["peak_bytes"]
+        # on CPU the peak is the sum of the compiled program's buffers (on TPU: the compiler's own high-water mark)
         assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+        assert r["temp_sum_bytes"] == r["peak_bytes"]
         assert r["checkpoint_bytes"] > 0 and r["dynamic_bytes"] > 0 and r["exact"]
     ratio = {(r["n_layers"], r["variant"]): r["temp_ratio"] for r in rows}
     assert ratio[(1, "default+remat")] == 1.0
@@ -254,3 +256,42 @@ def test_a_program_over_hbm_is_compiled_past_the_limit_and_a_fitting_one_is_unch
     m = compiled_memory(compiled)
     assert refused > hbm and "exceeds available HBM" in message
     assert m["argument_bytes"] == 50 * 2**30 and m["peak_bytes"] > hbm and m["temp_bytes"] >= 3 * 50 * 2**30
+
+
+@pytest.mark.tpu_backend
+def test_tpu_peak_is_the_figure_the_compiler_holds_to_the_hbm(tmp_path):
+    """On TPU `peak_bytes` is the compiler's `peak_memory_in_bytes`: the high-water mark of the dumped buffer
+    assignment, and the figure libtpu checks against the HBM: under a limit between it and arguments + outputs +
+    temp (libtpu's temp counts more than the assignment holds on a loop over stacked buffers) the program
+    compiles, under one below it the compiler refuses and quotes it."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    import jax
+    import jax.numpy as jnp
+
+    from metatrain.aot import compiled_memory, required_bytes, topology_devices
+    from metatrain.bench import buffers
+
+    devices, _ = topology_devices("v5p:1x1x1")
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ("x",)), jax.sharding.PartitionSpec())
+
+    def f(w, x):  # a loop over 8 layers whose matmul outputs are stacked
+        def body(c, wl):
+            h = c @ wl
+            return jnp.sin(h), h
+        c, hs = jax.lax.scan(body, x, w)
+        return hs.sum() + c.sum()
+
+    n = 2048
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=replicated)
+    lowered = jax.jit(f).lower(shape(8, n, n), shape(n, n))
+    m = compiled_memory(lowered.compile(compiler_options=buffers.dump_options(str(tmp_path))))
+    regions, length = buffers.read_dump(str(tmp_path))
+    assert m["peak_bytes"] == pytest.approx(int(buffers.timeline(regions, length).max()), rel=1e-3)
+    assert m["temp_sum_bytes"] > 1.05 * m["peak_bytes"]
+    mib = lambda b: int(b / 2**20)
+    limit = (mib(m["peak_bytes"]) + mib(m["temp_sum_bytes"])) // 2
+    between = lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": limit})
+    assert compiled_memory(between)["peak_bytes"] == m["peak_bytes"]
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
+        lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": mib(0.9 * m["peak_bytes"])})
+    assert required_bytes(refused.value) == pytest.approx(m["peak_bytes"], rel=0.01)
