@@ -25,7 +25,7 @@ def compiled_memory(compiled) -> dict:
     On a TPU the peak is the compiler's own (`peak_memory_in_bytes`): the high-water mark of its buffer
     assignment over the schedule, arguments and outputs included, which is the figure libtpu holds against the
     chip's HBM when it decides whether a program fits. libtpu's `temp_size_in_bytes` counts more than that
-    assignment holds (on loops over stacked buffers, up to a third more), so arguments + outputs - aliased + temp
+    assignment holds (on loops over stacked buffers, up to half as much again), so arguments + outputs - aliased + temp
     overstates the peak there; it is kept as `temp_sum_bytes`. Elsewhere (CPU) the peak is that sum."""
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -78,7 +78,7 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
     same_setting = _paper_setting(rows[0])
     for params, name in names.items():
         b, v = by.get((params, baseline)), by.get((params, variant))
-        if b is None or v is None:
+        if b is None or v is None or b["dynamic_bytes"] is None or v["dynamic_bytes"] is None:
             continue
         g = lambda x: f"{x / GiB:.1f}"
         fit = lambda r: " refused" if r.get("exact") is False else (" over HBM" if r.get("fits") is False else "")

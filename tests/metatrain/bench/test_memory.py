@@ -165,10 +165,13 @@ def test_ablation_beside_the_papers_table():
 
 def test_ladder_grid_on_cpu(tmp_path, capsys):
     png, timeline, out_json = tmp_path / "ladder.png", tmp_path / "timeline.png", tmp_path / "rows.json"
-    assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16",
-                     "--batch", "2", "--plot", str(png), "--timeline", str(timeline), "--json", str(out_json)]) == 0
+    # +unroll last: a row without a static/dynamic split, in the tables and the plot
+    assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16", "--batch", "2",
+                     "--variants", "default+remat,mixflow+remat+save,mixflow+remat+save+unroll", "--plot", str(png),
+                     "--timeline", str(timeline), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "| tiny |" in out and "shown only beside MAML on TPU" in out
+    assert "| mixflow+remat+save+unroll | " in out and "mixflow+remat+save peak (dyn.)" in out
     assert "| compiled peak GiB | live at peak |" in out
     assert png.exists() and timeline.exists()
     for r in json.loads(out_json.read_text()):  # the timeline's peak is the breakdown's, within the compiled peak
