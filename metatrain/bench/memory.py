@@ -98,11 +98,12 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
                           f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
-    if variant.unroll:  # each step's checkpoint is freed once its backward pass has used it: the split does not hold
-        return row | {"peak_bytes": report["peak_bytes"], "static_bytes": None, "dynamic_bytes": None}
-    static = report["temp_sum_bytes"] - report["temp_bytes"] + row["checkpoint_bytes"] + row["grad_bytes"]
-    return row | {"peak_bytes": report["peak_bytes"], "static_bytes": static,
-                  "dynamic_bytes": report["peak_bytes"] - static}
+    peak = report["peak_bytes"]
+    # +unroll: each step's checkpoint is freed once its backward pass has used it, so the split does not hold
+    static = None if variant.unroll else (report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"]
+                                          + row["checkpoint_bytes"] + row["grad_bytes"])
+    return row | {"peak_bytes": peak, "static_bytes": static,
+                  "dynamic_bytes": None if static is None else peak - static}
 
 
 def add_ratios(rows: list[dict], baseline: str) -> list[dict]:
