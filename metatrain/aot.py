@@ -26,14 +26,19 @@ def compiled_memory(compiled) -> dict:
     assignment over the schedule, arguments and outputs included, which is the figure libtpu holds against the
     chip's HBM when it decides whether a program fits. libtpu's `temp_size_in_bytes` counts more than that
     assignment holds (on loops over stacked buffers, up to half as much again), so arguments + outputs - aliased + temp
-    overstates the peak there; it is kept as `temp_sum_bytes`. Elsewhere (CPU) the peak is that sum."""
+    overstates the peak there; it is kept as `temp_sum_bytes`. libtpu's `peak_memory_in_bytes` also adds the
+    arguments and outputs placed in host memory (e.g. `meta_opt.offload`'s moments), which are not in the HBM:
+    they are taken out again (`host_io_bytes`). Elsewhere (CPU) the peak is that sum."""
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     sizes = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
              "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-             "host_temp_bytes": mem.host_temp_size_in_bytes}  # e.g. offloaded checkpoints; not in the peak
+             "host_temp_bytes": mem.host_temp_size_in_bytes,  # e.g. offloaded checkpoints; not in the peak
+             # arguments and outputs in host memory, each place once (a donated one is its output too)
+             "host_io_bytes": (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                               - mem.host_alias_size_in_bytes)}
     total = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
-    peak = mem.peak_memory_in_bytes if platform(compiled) == "tpu" else total
+    peak = mem.peak_memory_in_bytes - sizes["host_io_bytes"] if platform(compiled) == "tpu" else total
     return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": float((cost or {}).get("flops", 0.0))}
 
 

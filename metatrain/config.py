@@ -38,6 +38,9 @@ class MetaOptConfig:
     schedule: str = "constant"  # constant | cosine
     clip_norm: float = 1.0
     eps: float = 1e-8  # Adam's denominator floor
+    # its moments (matrices and up) in host memory between outer steps, on the device only for the update at the
+    # step's end, when the backward pass's buffers are free (TPU/GPU; no gain on CPU)
+    offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

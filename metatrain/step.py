@@ -29,7 +29,7 @@ from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig
 from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
 from metatrain.tasks import Task, make_task
-from metatrain.unroll import MetaGradMethod, meta_value_and_grad, outer_loss
+from metatrain.unroll import MetaGradMethod, meta_value_and_grad, offloadable, outer_loss
 
 State = dict
 Batches = tuple[dict, dict]  # (inner batches [T, batch, seq+1], outer batch [batch, seq+1])
@@ -73,18 +73,35 @@ def checkpointed(state: State) -> State:
     return {k: v for k, v in state.items() if k != "frozen"}
 
 
+def host_placed(shardings, shapes):
+    """`shardings` with the leaves that `offloadable` picks (matrices and up) in host memory (pinned_host)."""
+    return jax.tree.map(lambda s, x: s.with_memory_kind("pinned_host") if offloadable(x) else s, shardings, shapes)
+
+
+def to_device(tree):
+    """The tree's host-memory leaves copied to the device (inside a jitted program; a no-op for the others)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if offloadable(x) else x, tree)
+
+
 def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformation, state: State,
-               batches: dict, outer_batch: dict) -> tuple[State, dict]:
+               batches: dict, outer_batch: dict, offload_meta_opt: bool = False) -> tuple[State, dict]:
     """T inner steps, the outer loss, its meta-gradient and the meta-update. The update is kept only when the
-    loss, the meta-gradient and the updated η and meta-optimizer state are all finite."""
+    loss, the meta-gradient and the updated η and meta-optimizer state are all finite. `offload_meta_opt`: the
+    meta-optimizer state arrives in host memory and is brought to the device for the update only (`lower`'s
+    shardings send the new one back)."""
     task = task.with_frozen(state.get("frozen"))
     (value, aux), grad = meta_value_and_grad(task, method)(state["meta"], state["inner"], batches, outer_batch)
     grad_norm = optax.tree.norm(grad)
-    updates, new_opt = meta_opt.update(grad, state["meta_opt"], state["meta"])
+    opt_state = state["meta_opt"]
+    if offload_meta_opt:
+        # Inside a conditional on the meta-gradient: the compiler may not start the copy before the backward pass
+        # is done (as a plain transfer, the TPU compiler starts it at the program's start and holds it throughout).
+        opt_state = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, opt_state)
+    updates, new_opt = meta_opt.update(grad, opt_state, state["meta"])
     new_meta = optax.apply_updates(state["meta"], updates)
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & all_finite(new_meta) & all_finite(new_opt)
     new = {"step": state["step"] + 1, "meta": keep_if(ok, new_meta, state["meta"]),
-           "meta_opt": keep_if(ok, new_opt, state["meta_opt"]),
+           "meta_opt": keep_if(ok, new_opt, opt_state),
            "inner": None if task.resets_inner else keep_if(ok, aux.inner, state["inner"])}
     if "frozen" in state:
         new["frozen"] = state["frozen"]
@@ -131,6 +148,7 @@ class Program:
     data: DataConfig
     meta_opt: optax.GradientTransformation | None = None  # None for plain (pre)training
     method: MetaGradMethod | None = None
+    offload_meta_opt: bool = False  # the meta-optimizer state's matrices live in host memory between steps
 
     @functools.cached_property
     def state_shapes(self) -> State:
@@ -138,7 +156,10 @@ class Program:
 
     @functools.cached_property
     def state_shardings(self) -> State:
-        return tree_shardings(self.state_shapes, self.mesh)
+        shardings = tree_shardings(self.state_shapes, self.mesh)
+        if self.offload_meta_opt:
+            shardings["meta_opt"] = host_placed(shardings["meta_opt"], self.state_shapes["meta_opt"])
+        return shardings
 
 
 def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
@@ -150,8 +171,8 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint,
                             cfg.checkpoint_dtype, cfg.checkpoint_offload, cfg.inner_unroll)
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
-                   step=functools.partial(outer_step, task, method, meta_opt), mesh=mesh, data=cfg.data,
-                   meta_opt=meta_opt, method=method)
+                   step=functools.partial(outer_step, task, method, meta_opt, offload_meta_opt=cfg.meta_opt.offload),
+                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_meta_opt=cfg.meta_opt.offload)
 
 
 def task_arguments(cfg: Config) -> dict:

@@ -73,9 +73,14 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
     offloaded = checkpoint_bytes(offloadable) if variant.offload and topology else 0
+    # +offload_opt: the meta-optimizer's matrices are host-memory arguments there (the same rule)
+    opt_offloaded = (device_bytes([x for x in jax.tree.leaves(abstract(state["meta_opt"], tree_shardings(
+        state["meta_opt"], mesh))) if offloadable(x)]) if variant.offload_opt and topology else 0)
     row = identity(cfg, variant, topology) | {
         "inner_checkpoint": variant.inner_checkpoint,
-        "param_bytes": _on_device(state["meta"], mesh), "meta_opt_bytes": _on_device(state["meta_opt"], mesh),
+        "param_bytes": _on_device(state["meta"], mesh),
+        "meta_opt_bytes": _on_device(state["meta_opt"], mesh) - opt_offloaded,
+        "offloaded_opt_bytes": opt_offloaded,
         # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
         "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
         "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints - offloaded,
@@ -92,8 +97,8 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
             row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
-                                       "host_temp_bytes", "flops", "fits", "exact", "hbm_bytes", "refused_bytes",
-                                       "compile_s")}
+                                       "host_temp_bytes", "host_io_bytes", "flops", "fits", "exact", "hbm_bytes",
+                                       "refused_bytes", "compile_s")}
     if not report["exact"]:
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "

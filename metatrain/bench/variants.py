@@ -1,8 +1,9 @@
 """Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
 
-A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+unroll][+blockwise][+bf16][+chunked_ce]`:
-a meta-gradient mode, per-block rematerialisation, inner gradients saved in the per-step checkpoint, an
-inner-checkpoint schedule, the per-step checkpoint stored in bfloat16 and/or in host memory, the inner steps
+A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+unroll][model options]`
+(model options: +blockwise, +bf16, +chunked_ce): a meta-gradient mode, per-block rematerialisation, inner
+gradients saved in the per-step checkpoint, an inner-checkpoint schedule, the per-step checkpoint stored in
+bfloat16 and/or in host memory, the meta-optimizer's moments in host memory between steps, the inner steps
 unrolled (straight-line code, not a loop), and model options
 applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
 and a variant into the `Config` whose outer step (`metatrain.step`) the benchmarks compile and time.
@@ -26,10 +27,11 @@ from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
                  "chunked_ce": {"loss_chunk": 512}}
 SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+unroll][+blockwise][+bf16][+chunked_ce], e.g. "
-        "mixflow+remat+save+sqrt+blockwise")
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+unroll][+blockwise][+bf16]"
+        "[+chunked_ce], e.g. mixflow+remat+save+sqrt+blockwise")
 BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
 OFFLOAD = "offload"  # ... and/or kept in host memory until the backward pass
+OFFLOAD_OPT = "offload_opt"  # the meta-optimizer's moments in host memory, on the device for the update only
 UNROLL = "unroll"  # the inner steps unrolled: each step's checkpoint its own buffer, freed once used
 
 
@@ -47,13 +49,15 @@ class Variant:
     checkpoint_dtype: str = ""
     offload: bool = False
     unroll: bool = False
+    offload_opt: bool = False
 
     @property
     def name(self) -> str:
         schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
         return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
                 + ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "")
-                + ("+" + OFFLOAD if self.offload else "") + ("+" + UNROLL if self.unroll else "")
+                + ("+" + OFFLOAD if self.offload else "") + ("+" + OFFLOAD_OPT if self.offload_opt else "")
+                + ("+" + UNROLL if self.unroll else "")
                 + "".join("+" + o for o in self.model_options))
 
     def model(self, model: ModelConfig) -> ModelConfig:
@@ -72,6 +76,7 @@ class Variant:
         return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
                                    inner_checkpoint=self.inner_checkpoint, checkpoint_dtype=self.checkpoint_dtype,
                                    checkpoint_offload=self.offload, inner_unroll=self.unroll,
+                                   meta_opt=dataclasses.replace(cfg.meta_opt, offload=self.offload_opt),
                                    model=self.model(cfg.model))
 
 
@@ -85,7 +90,7 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
     mode, *opts = name.strip().split("+")
     if mode not in MODES:
         raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
-    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, UNROLL, *SCHEDULES, *MODEL_OPTIONS}
+    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, OFFLOAD_OPT, UNROLL, *SCHEDULES, *MODEL_OPTIONS}
     if unknown:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
@@ -96,7 +101,7 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
                           f"parameters is not the one the inner update used); use {FORM}")
     options = tuple(o for o in MODEL_OPTIONS if o in opts)
     return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options,
-                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts)
+                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts, OFFLOAD_OPT in opts)
 
 
 def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,
