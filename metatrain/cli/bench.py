@@ -139,6 +139,9 @@ def cmd_compile(args) -> int:
         return 1
     print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
                                              for k in ("argument", "output", "alias", "temp", "peak")))
+    if r.get("host_io_bytes") or r.get("host_temp_bytes"):
+        print(f"in host memory, not in the peak: arguments and outputs {r['host_io_bytes'] / GiB:.3f} GiB, "
+              f"temporaries {r['host_temp_bytes'] / GiB:.3f} GiB")
     if r["hbm_bytes"]:
         print(f"{'fits' if r['fits'] else 'does NOT fit'}: {r['peak_bytes'] / GiB:.2f} of "
               f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['peak_bytes'] / r['hbm_bytes']:.0f}%)")

@@ -82,3 +82,11 @@ def test_cli_bad_task_is_a_one_line_error(capsys):
     assert cli.main(["check-grads", "--task", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("metatrain check-grads: error: unknown task 'nope'") and "\n" not in err
+
+
+@pytest.mark.parametrize("variant, says", [("mixflow+bf16", "+bf16 does not apply"),
+                                           ("mixflow+remat+save+offload_opt", "+offload_opt moves the meta-optimizer")])
+def test_variants_that_change_nothing_checked_are_refused(capsys, variant, says):
+    assert cli.main(["check-grads", "--task", "maml", "--variants", variant]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
