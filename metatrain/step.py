@@ -13,6 +13,8 @@ State is a dict pytree: `step`, `meta` (η), `meta_opt`, `inner` (θ, υ) carrie
 on the same batches with η frozen (`Task.baseline_meta`; for loss weighting: exactly uniform weights).
 Under LoRA `frozen` holds the base weights: an FSDP-sharded argument of the step, returned unchanged
 (donated, so aliased: no copy), never differentiated, and not written to checkpoints (`checkpointed`).
+With `meta_opt.offload` the meta-optimizer state's matrices live in host memory (`Program.state_shardings`)
+and are copied to the device for the meta-update only.
 """
 
 from __future__ import annotations
