@@ -39,8 +39,11 @@ from metatrain.sharding import abstract, device_bytes, tree_shardings
 from metatrain.unroll import offloadable, segments
 
 
-def _on_device(tree, mesh) -> int:
-    return 0 if tree is None else device_bytes(abstract(tree, tree_shardings(tree, mesh)))
+def _on_device(tree, mesh, select=lambda x: True) -> int:
+    """Bytes one device holds of `tree` sharded as the state is, over the leaves `select` picks."""
+    if tree is None:
+        return 0
+    return device_bytes([x for x in jax.tree.leaves(abstract(tree, tree_shardings(tree, mesh))) if select(x)])
 
 
 def profile(cfg: Config, variant: Variant, topology: str | None = None, with_breakdown: bool = False) -> dict:
@@ -60,12 +63,8 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     def checkpoint_bytes(select=lambda x: True):
         """per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
         are dynamic memory); of the leaves `select` picks"""
-        def one(tree):
-            tree = stored(tree)
-            return device_bytes([x for x in jax.tree.leaves(abstract(tree, tree_shardings(tree, mesh))) if select(x)])
-
-        params = one(theta)
-        per_step = params + one(opt_state)
+        params = _on_device(stored(theta), mesh, select)
+        per_step = params + _on_device(stored(opt_state), mesh, select)
         return (d.inner_steps * (per_step + (params if variant.save else 0)) if len(kept) == d.inner_steps
                 else len(kept) * per_step)
 
@@ -74,8 +73,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
     offloaded = checkpoint_bytes(offloadable) if variant.offload and topology else 0
     # +offload_opt: the meta-optimizer's matrices are host-memory arguments there (the same rule)
-    opt_offloaded = (device_bytes([x for x in jax.tree.leaves(abstract(state["meta_opt"], tree_shardings(
-        state["meta_opt"], mesh))) if offloadable(x)]) if variant.offload_opt and topology else 0)
+    opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_opt and topology else 0
     row = identity(cfg, variant, topology) | {
         "inner_checkpoint": variant.inner_checkpoint,
         "param_bytes": _on_device(state["meta"], mesh),
