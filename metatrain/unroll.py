@@ -1,9 +1,9 @@
 """The inner loop and the outer loss (Algorithm 2), differentiable with respect to η.
 
-T inner steps run in a `lax.scan`. Each step is checkpointed (`jax.checkpoint`): its activations
-are recomputed in the backward pass, so the outer backward pass holds only the per-step inner
-state (θ_i, υ_i), plus, with `save_inner_grads`, the inner gradients ∇L_i (named `inner_grads` and
-kept by the checkpoint policy), which saves one inner backward pass per step at meta-gradient time.
+T inner steps run in a `lax.scan` (the first one before it, see `peeled`). Each step is checkpointed
+(`jax.checkpoint`): its activations are recomputed in the backward pass, so the outer backward pass holds
+only the per-step inner state (θ_i, υ_i), plus, with `save_inner_grads`, the inner gradients ∇L_i (named
+`inner_grads` and kept by the checkpoint policy), which saves one inner backward pass per step at meta-gradient time.
 With `checkpoint_dtype` (e.g. bfloat16) those per-step states and gradients are stored in that dtype
 instead, and with `checkpoint_offload` in host memory (`stored_step`): the inner loop itself, the
 backward pass and the meta-gradient stay in the compute dtype and on the device.
@@ -55,6 +55,13 @@ class MetaGradMethod:
     checkpoint_offload: bool = False
     unroll: bool = False
 
+    @property
+    def peel(self) -> bool:
+        """Whether every_step takes the first inner step before the loop (`peeled`): not with `checkpoint_offload`,
+        whose host-memory checkpoints are brought back one loop step at a time (without a loop left, at T=2, the
+        compiler brings them back early and the peak grows)."""
+        return not self.checkpoint_offload
+
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
             raise ConfigError(f"mode: unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
@@ -101,7 +108,7 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
         final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
-                                       method.inner_checkpoint, method.unroll)
+                                       method.inner_checkpoint, method.unroll, method.peel)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
@@ -208,17 +215,31 @@ def segments(n_steps: int, schedule: str) -> list[int]:
     return [n_steps // 2, n_steps - n_steps // 2]  # binomial: the top halves
 
 
-def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unroll: bool = False):
+def kept_states(n_steps: int, schedule: str, peel: bool = True) -> int:
+    """How many inner states (θ_i, υ_i) the forward pass stores for the backward pass: every_step all, but the first
+    when it is `peeled` (the outer step's own inputs), else one per segment start."""
+    kept = segments(n_steps, schedule)
+    return n_steps - 1 if len(kept) == n_steps and peel and n_steps >= 2 else len(kept)
+
+
+def straight_line(n_steps: int, unroll: bool, peel: bool = True) -> bool:
+    """Whether no loop over inner steps is left (unrolled; one step; or two, the first `peeled` and a loop of one
+    inlined): then each step's checkpoint is freed once its backward pass has used it, not kept to the end."""
+    return unroll or n_steps <= (2 if peel else 1)
+
+
+def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unroll: bool = False, peel: bool = True):
     """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `MetaGradMethod`).
 
-    `unroll`: the steps (of each segment) are traced one after the other, not as a loop. The same arithmetic; what
-    changes is memory: a loop keeps its per-step checkpoints in [T, ...] stacks that live until the loop's
-    backward pass ends, and XLA copies each step's slice out of them; unrolled, each step's checkpoint is its own
-    buffer, freed as soon as that step's backward pass has used it. The program grows with T (compile time too)."""
+    every_step takes the first step before the loop (`peeled`) if `peel`. `unroll`: the steps (of each segment) are
+    traced one after the other, not as a loop. The same arithmetic; what changes is memory: a loop keeps its
+    per-step checkpoints in [T, ...] stacks that live until the loop's backward pass ends, and XLA copies each
+    step's slice out of them; unrolled, each step's checkpoint is its own buffer, freed as soon as that step's
+    backward pass has used it. The program grows with T (compile time too)."""
     n = jax.tree.leaves(batches)[0].shape[0]
     scan = lambda f, c, b: jax.lax.scan(f, c, b, unroll=unroll)
     if schedule == "every_step" or n <= 2:
-        return scan(step, carry, batches)
+        return peeled(step, carry, batches, scan) if peel and n >= 2 and not unroll else scan(step, carry, batches)
     if schedule == "sqrt":
         segment = jax.checkpoint(lambda c, b: scan(step, c, b),
                                  policy=jax.checkpoint_policies.nothing_saveable)
@@ -243,6 +264,17 @@ def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unrol
 
     checkpointed = jax.checkpoint(halves, policy=jax.checkpoint_policies.nothing_saveable)
     return halves(carry, batches)
+
+
+def peeled(step: Callable, carry, batches, scan: Callable = jax.lax.scan):
+    """`scan(step, carry, batches)` with the first step taken before the loop. The loop keeps each step's
+    checkpoint in [n, ...] stacks that live until its backward pass ends; the first step's inputs are the outer
+    step's own (θ_0 from η or the carried state, υ_0 fresh), so outside the loop they are kept as they are instead
+    of copied into the stacks. With two steps no loop is left (XLA inlines a loop of one step): each checkpoint is
+    freed once its step's backward pass has used it, as with `unroll`."""
+    carry, first = step(carry, jax.tree.map(lambda x: x[0], batches))
+    carry, rest = scan(step, carry, jax.tree.map(lambda x: x[1:], batches))
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
 
 def meta_value_and_grad(task: Task, method: MetaGradMethod) -> Callable:

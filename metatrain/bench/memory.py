@@ -8,11 +8,12 @@ inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TP
 - peak     = everything live at the high-water mark: on TPU the compiler's own figure (`aot.compiled_memory`),
              on CPU arguments + outputs - aliased + temp
 - static   = arguments + outputs - aliased + per-step checkpoints + ∇η: the state (η, the meta-optimizer
-             state, a carried inner state), the batches, T x (θ, υ) and with saved inner gradients
-             T x ∇L, and the meta-gradient: allocated once, written once.
+             state, a carried inner state), the batches, (T - 1) x (θ, υ) (the first step's are the inputs) and
+             with saved inner gradients T x ∇L, and the meta-gradient: allocated once, written once.
 - dynamic  = peak - static: activations and partial derivatives that are reused from step to step.
-             This is what mixed-mode differentiation reduces. Not split for `+unroll` (the checkpoints are
-             freed step by step, not all live at the peak): static and dynamic are None there.
+             This is what mixed-mode differentiation reduces. Not split where no loop over inner steps is left
+             (`+unroll`, or T=2: `unroll.straight_line`): the checkpoints are freed step by step, not all live
+             at the peak, so static and dynamic are None there.
 
 The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
 every figure is per chip (FSDP over all chips). A program over the chip's HBM, which the TPU compiler
@@ -36,7 +37,7 @@ from metatrain.config import Config
 from metatrain.errors import ConfigError
 from metatrain.models import param_count
 from metatrain.sharding import abstract, device_bytes, tree_shardings
-from metatrain.unroll import offloadable, segments
+from metatrain.unroll import kept_states, offloadable, segments, straight_line
 
 
 def _on_device(tree, mesh, select=lambda x: True) -> int:
@@ -59,14 +60,15 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         lambda x: jax.ShapeDtypeStruct(x.shape, variant.checkpoint_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, tree)  # the per-step checkpoint's dtype (+bf16_state)
     kept = segments(d.inner_steps, variant.inner_checkpoint)
+    peel = variant.method.peel  # the first step's (θ, υ) are the outer step's inputs (`unroll.peeled`)
 
     def checkpoint_bytes(select=lambda x: True):
-        """per-step checkpoints: T x (θ, υ[, ∇L]); with a schedule the (θ, υ) at each segment start (re-run parts
-        are dynamic memory); of the leaves `select` picks"""
+        """per-step checkpoints: (T - 1) x (θ, υ) (T x with +offload: not peeled) [+ T x ∇L]; with a
+        schedule the (θ, υ) at each segment start (re-run parts are dynamic memory); of the leaves `select` picks"""
         params = _on_device(stored(theta), mesh, select)
         per_step = params + _on_device(stored(opt_state), mesh, select)
-        return (d.inner_steps * (per_step + (params if variant.save else 0)) if len(kept) == d.inner_steps
-                else len(kept) * per_step)
+        grads = d.inner_steps * params if variant.save and len(kept) == d.inner_steps else 0
+        return kept_states(d.inner_steps, variant.inner_checkpoint, peel) * per_step + grads
 
     checkpoints = checkpoint_bytes()
     # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
@@ -75,7 +77,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     # +offload_opt: the meta-optimizer's matrices are host-memory arguments there (the same rule)
     opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_opt and topology else 0
     row = identity(cfg, variant, topology) | {
-        "inner_checkpoint": variant.inner_checkpoint,
+        "inner_checkpoint": variant.inner_checkpoint, "inner_peeled": peel,
         "param_bytes": _on_device(state["meta"], mesh),
         "meta_opt_bytes": _on_device(state["meta_opt"], mesh) - opt_offloaded,
         "offloaded_opt_bytes": opt_offloaded,
@@ -102,9 +104,11 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
                           f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
     peak = report["peak_bytes"]
-    # +unroll: each step's checkpoint is freed once its backward pass has used it, so the split does not hold
-    static = None if variant.unroll else (report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"]
-                                          + row["checkpoint_bytes"] + row["grad_bytes"])
+    # no loop left (+unroll, or T=2): each step's checkpoint is freed once its backward pass has used it, so the split
+    # does not hold
+    static = None if straight_line(d.inner_steps, variant.unroll, peel) else (
+        report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"] + row["checkpoint_bytes"]
+        + row["grad_bytes"])
     return row | {"peak_bytes": peak, "static_bytes": static,
                   "dynamic_bytes": None if static is None else peak - static}
 
@@ -198,7 +202,8 @@ def table(rows: list[dict], baseline: str) -> str:
     where = f"per chip, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
     return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
                                f"less memory than {baseline}; static = inputs + outputs + per-step checkpoints + ∇η, "
-                               f"dynamic = the rest)")
+                               f"dynamic = the rest; not split where no loop over inner steps is left: T <= 2 or "
+                               f"+unroll, each step's checkpoint freed once used)")
 
 
 def breakdown_table(rows: list[dict]) -> str:

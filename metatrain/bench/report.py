@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from metatrain.aot import GiB
-from metatrain.unroll import segments
+from metatrain.unroll import kept_states
 
 # The MixFlow-MG paper's Table 2 ("Case study for 489M transformer") and Table 3 ("Case study for 44M
 # transformer"), TPU HBM in G, each row (mixed mode, block remat, save grads) by our variant name. The tables
@@ -59,7 +59,7 @@ def ablation_comparison(rows: list[dict], name: str) -> str:
 def static_parts(row: dict) -> dict:
     """A row's static bytes, named: η, the meta-optimizer state, the meta-gradient ∇η, the per-step checkpoints
     (and the inner Adam state υ inside them), the carried inner state, and the rest (the batches)."""
-    kept = len(segments(row["inner_steps"], row.get("inner_checkpoint", "every_step")))
+    kept = kept_states(row["inner_steps"], row.get("inner_checkpoint", "every_step"), row.get("inner_peeled", False))
     parts = {"eta": row["param_bytes"], "meta_opt": row["meta_opt_bytes"], "grad": row["grad_bytes"],
              "checkpoints": row["checkpoint_bytes"], "inner": row["inner_bytes"]}
     return parts | {"adam_in_checkpoints": kept * row["adam_bytes"],
@@ -78,23 +78,26 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
     same_setting = _paper_setting(rows[0])
     for params, name in names.items():
         b, v = by.get((params, baseline)), by.get((params, variant))
-        if b is None or v is None or b["dynamic_bytes"] is None or v["dynamic_bytes"] is None:
+        if b is None or v is None:
             continue
-        g = lambda x: f"{x / GiB:.1f}"
+        g = lambda x: "-" if x is None else f"{x / GiB:.1f}"
         fit = lambda r: " refused" if r.get("exact") is False else (" over HBM" if r.get("fits") is False else "")
         paper = PAPER_TPU.get(name) if same_setting else None
-        p = static_parts(v)
-        share = v["static_bytes"] / v["peak_bytes"]
-        if share >= 0.45:
-            dominated.append(name)
+        static, share, dynamic_ratio = "- (no loop left: not split)", "-", "-"
+        if b["dynamic_bytes"] is not None and v["dynamic_bytes"] is not None:
+            dynamic_ratio = f"{b['dynamic_bytes'] / v['dynamic_bytes']:.2f}x"
+        if v["dynamic_bytes"] is not None:
+            p = static_parts(v)
+            share = f"{100 * v['static_bytes'] / v['peak_bytes']:.0f}%"
+            if v["static_bytes"] / v["peak_bytes"] >= 0.45:
+                dominated.append(name)
+            static = (f"{g(p['eta'])} + {g(p['meta_opt'])} + {g(p['grad'])} + {g(p['checkpoints'])} "
+                      f"(υ {g(p['adam_in_checkpoints'])}) + {g(p['inner'])} + {g(p['other'])} = {g(v['static_bytes'])}")
         lines.append(
             f"| {name} | {params / 1e6:,.0f}M | {g(b['peak_bytes'])}{fit(b)} ({g(b['dynamic_bytes'])}) | "
             f"{g(v['peak_bytes'])}{fit(v)} ({g(v['dynamic_bytes'])}) | {b['peak_bytes'] / v['peak_bytes']:.2f}x | "
-            f"{b['dynamic_bytes'] / v['dynamic_bytes']:.2f}x | "
-            f"{f'{paper[0]} -> {paper[1]}' if paper else '-'} | {g(p['eta'])} + {g(p['meta_opt'])} + "
-            f"{g(p['grad'])} + {g(p['checkpoints'])} (υ {g(p['adam_in_checkpoints'])}) + {g(p['inner'])} + "
-            f"{g(p['other'])} = {g(v['static_bytes'])} | "
-            f"{100 * share:.0f}% |")
+            f"{dynamic_ratio} | "
+            f"{f'{paper[0]} -> {paper[1]}' if paper else '-'} | {static} | {share} |")
     note = ("GiB per chip; paper: TPU HBM of Table 2 ('Case study for 489M transformer') and Table 3 ('Case study "
             "for 44M transformer'), which state no task or shapes: MAML, B=4, T=2, S=2048, float32 and dense "
             "attention are our assumptions" if same_setting else "GiB" + (" per chip" if rows[0]["backend"] == "tpu"
@@ -141,11 +144,11 @@ def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
             rs = {r["task"]: r for r in rows if r["variant"] == v}
             xs = [j + i * width for j in range(len(groups))]
             left.bar(xs, [rs[t]["peak_bytes"] / GiB for t in groups], width, label=v)
-            right.bar(xs, [rs[t]["dynamic_ratio"] or 0 for t in groups], width, label=v)
+            right.bar(xs, [rs[t]["peak_ratio"] or 0 for t in groups], width, label=v)
         for ax in (left, right):
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
         left.set(ylabel="GiB", title="peak memory")
-        right.set(ylabel=f"{baseline} ÷ variant", title="dynamic memory ratio")
+        right.set(ylabel=f"{baseline} ÷ variant", title="peak memory ratio")
     r0 = rows[0]
     where = f"{r0['topology']} (per chip)" if r0["topology"] else r0["backend"]
     model = "".join(f", {r0[k]}" for k, usual in (("attention", "dense"), ("compute_dtype", "float32"))

@@ -58,9 +58,9 @@ def cmd_bench_memory(args) -> int:
     if args.grid == "ablation" and args.model in report.PAPER_ABLATION_TPU:
         print()
         print(report.ablation_comparison(rows, args.model))
-    split = [v.name for v in chosen if not v.unroll]  # +unroll rows have no static/dynamic split to name
-    if args.grid == "ladder" and split:
-        other = "mixflow+remat+save" if "mixflow+remat+save" in split else split[-1]
+    names_chosen = [v.name for v in chosen if v.name != args.baseline]
+    if args.grid == "ladder" and names_chosen:
+        other = "mixflow+remat+save" if "mixflow+remat+save" in names_chosen else names_chosen[-1]
         print()
         print(report.paper_comparison(rows, names, args.baseline, other))
     if args.json:  # written after every row (with the file's rows this run did not measure)

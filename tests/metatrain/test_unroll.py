@@ -67,3 +67,27 @@ def test_kept_states():
     assert segments(16, "sqrt") == [4, 4, 4, 4] and segments(10, "sqrt") == [4, 4, 2]
     assert segments(16, "binomial") == [8, 8] and sum(segments(7, "binomial")) == 7
     assert segments(2, "sqrt") == [1, 1]  # two steps: nothing to save by re-running
+
+
+@pytest.mark.parametrize("n_steps", [2, 5])
+@pytest.mark.parametrize("mode", ["default", "mixflow"])
+def test_every_step_takes_the_first_step_before_the_loop(n_steps, mode):
+    """every_step: the first step runs outside the loop (its checkpoint is the outer step's own inputs, not a slot
+    in the loop's stacks), the loop has n - 1 steps, and the meta-gradient is that of a plain Python loop."""
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
+    xs = jax.random.normal(k3, (n_steps, 5, 4))
+
+    def python_loop(eta, theta0, xs):  # the reference: no scan, no checkpoint, reverse-over-reverse
+        theta, losses = theta0, []
+        for x in xs:
+            loss, g = jax.value_and_grad(inner_loss)(theta, eta, x)
+            theta, losses = theta - 0.1 * g, losses + [loss]
+        return jnp.sum(theta**3) + 0.1 * sum(losses)
+
+    ref = jax.grad(python_loop, argnums=(0, 1))(eta, theta0, xs)
+    got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "every_step", mode)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+    jaxpr = jax.make_jaxpr(outer, static_argnums=(3, 4))(eta, theta0, xs, "every_step", mode)
+    assert [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"] == [n_steps - 1]
