@@ -239,7 +239,7 @@ def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unrol
     n = jax.tree.leaves(batches)[0].shape[0]
     scan = lambda f, c, b: jax.lax.scan(f, c, b, unroll=unroll)
     if schedule == "every_step" or n <= 2:
-        return peeled(step, carry, batches, scan) if peel and n >= 2 else scan(step, carry, batches)
+        return peeled(step, carry, batches, scan) if peel and n >= 2 and not unroll else scan(step, carry, batches)
     if schedule == "sqrt":
         segment = jax.checkpoint(lambda c, b: scan(step, c, b),
                                  policy=jax.checkpoint_policies.nothing_saveable)
