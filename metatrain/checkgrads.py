@@ -67,9 +67,11 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         raise ConfigError(f"--modes: unknown mode(s) {sorted(unknown)}; choose from {MODES}")
     if any("bf16" in v.model_options for v in only or ()):
         raise ConfigError("--variants: check-grads runs in float64, so +bf16 does not apply; drop it")
-    if any(v.offload_opt for v in only or ()):
-        raise ConfigError("--variants: +offload_opt moves the meta-optimizer's state, not the meta-gradient that "
-                          "check-grads compares; drop it")
+    moved = sorted({o for v in only or () for o, on in (("+offload_opt", v.offload_opt),
+                                                         ("+offload_params", v.offload_params)) if on})
+    if moved:
+        raise ConfigError(f"--variants: {' and '.join(moved)} moves the meta-optimizer's state or η between steps, not "
+                          "the meta-gradient that check-grads compares; drop it")
     model = model.replace(param_dtype="float64", compute_dtype="")  # the float64 path, whatever was asked
     if meta_model is not None:
         meta_model = meta_model.replace(param_dtype="float64", compute_dtype="", vocab_size=model.vocab_size)

@@ -41,6 +41,9 @@ class MetaOptConfig:
     # its moments (matrices and up) in host memory between outer steps, on the device only for the update at the
     # step's end, when the backward pass's buffers are free (TPU/GPU; no gain on CPU)
     offload: bool = False
+    # η's matrices too: on the device at the step's start (the inner loop's first step reads them) and for the
+    # update; saves η's bytes at the peak when the first step's checkpoint is not η itself (checkpoint_offload)
+    offload_params: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ on the same batches with η frozen (`Task.baseline_meta`; for loss weighting: ex
 Under LoRA `frozen` holds the base weights: an FSDP-sharded argument of the step, returned unchanged
 (donated, so aliased: no copy), never differentiated, and not written to checkpoints (`checkpointed`).
 With `meta_opt.offload` the meta-optimizer state's matrices live in host memory (`Program.state_shardings`)
-and are copied to the device for the meta-update only.
+and are copied to the device for the meta-update only; with `meta_opt.offload_params` η's matrices too, copied
+in at the step's start (the inner loop starts from them) and again for the update.
 """
 
 from __future__ import annotations
@@ -85,24 +86,39 @@ def to_device(tree):
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if offloadable(x) else x, tree)
 
 
+def on_device(tree):
+    """The tree with its host-memory leaves (`meta_opt.offload_params`' η) copied to device memory, outside a jitted
+    program: for the programs that compute on them (evaluation, scoring)."""
+    host = lambda x: getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")) if host(x) else x, tree)
+
+
 def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformation, state: State,
-               batches: dict, outer_batch: dict, offload_meta_opt: bool = False) -> tuple[State, dict]:
+               batches: dict, outer_batch: dict, offload_meta_opt: bool = False,
+               offload_params: bool = False) -> tuple[State, dict]:
     """T inner steps, the outer loss, its meta-gradient and the meta-update. The update is kept only when the
     loss, the meta-gradient and the updated η and meta-optimizer state are all finite. `offload_meta_opt`: the
     meta-optimizer state arrives in host memory and is brought to the device for the update only (`lower`'s
-    shardings send the new one back)."""
+    shardings send the new one back); `offload_params`: η's matrices too, brought in for the inner loop and again
+    for the update."""
     task = task.with_frozen(state.get("frozen"))
-    (value, aux), grad = meta_value_and_grad(task, method)(state["meta"], state["inner"], batches, outer_batch)
+    meta = to_device(state["meta"]) if offload_params else state["meta"]
+    (value, aux), grad = meta_value_and_grad(task, method)(meta, state["inner"], batches, outer_batch)
     grad_norm = optax.tree.norm(grad)
     opt_state = state["meta_opt"]
-    if offload_meta_opt:
+    if offload_meta_opt or offload_params:
         # Inside a conditional on the meta-gradient: the compiler may not start the copy before the backward pass
         # is done (as a plain transfer, the TPU compiler starts it at the program's start and holds it throughout).
-        opt_state = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, opt_state)
-    updates, new_opt = meta_opt.update(grad, opt_state, state["meta"])
-    new_meta = optax.apply_updates(state["meta"], updates)
+        # η's first copy is freed once the forward pass no longer reads it, unless the backward pass keeps it.
+        ok_grad = jnp.isfinite(grad_norm)
+        if offload_meta_opt:
+            opt_state = jax.lax.cond(ok_grad, to_device, to_device, opt_state)
+        if offload_params:
+            meta = jax.lax.cond(ok_grad, to_device, to_device, state["meta"])
+    updates, new_opt = meta_opt.update(grad, opt_state, meta)
+    new_meta = optax.apply_updates(meta, updates)
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & all_finite(new_meta) & all_finite(new_opt)
-    new = {"step": state["step"] + 1, "meta": keep_if(ok, new_meta, state["meta"]),
+    new = {"step": state["step"] + 1, "meta": keep_if(ok, new_meta, meta),
            "meta_opt": keep_if(ok, new_opt, opt_state),
            "inner": None if task.resets_inner else keep_if(ok, aux.inner, state["inner"])}
     if "frozen" in state:
@@ -151,6 +167,7 @@ class Program:
     meta_opt: optax.GradientTransformation | None = None  # None for plain (pre)training
     method: MetaGradMethod | None = None
     offload_meta_opt: bool = False  # the meta-optimizer state's matrices live in host memory between steps
+    offload_params: bool = False  # and η's
 
     @functools.cached_property
     def state_shapes(self) -> State:
@@ -161,6 +178,8 @@ class Program:
         shardings = tree_shardings(self.state_shapes, self.mesh)
         if self.offload_meta_opt:
             shardings["meta_opt"] = host_placed(shardings["meta_opt"], self.state_shapes["meta_opt"])
+        if self.offload_params:
+            shardings["meta"] = host_placed(shardings["meta"], self.state_shapes["meta"])
         return shardings
 
 
@@ -173,8 +192,10 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint,
                             cfg.checkpoint_dtype, cfg.checkpoint_offload, cfg.inner_unroll)
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
-                   step=functools.partial(outer_step, task, method, meta_opt, offload_meta_opt=cfg.meta_opt.offload),
-                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_meta_opt=cfg.meta_opt.offload)
+                   step=functools.partial(outer_step, task, method, meta_opt, offload_meta_opt=cfg.meta_opt.offload,
+                                          offload_params=cfg.meta_opt.offload_params),
+                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_meta_opt=cfg.meta_opt.offload,
+                   offload_params=cfg.meta_opt.offload_params)
 
 
 def task_arguments(cfg: Config) -> dict:

@@ -152,7 +152,7 @@ class Trainer:
     # ---- evaluation ----------------------------------------------------------------------------
     def _theta(self, which: str = "inner"):
         part = self.state if which == "inner" else self.state["base"]
-        return part["meta"] if part["inner"] is None else part["inner"][0]
+        return step_lib.on_device(part["meta"]) if part["inner"] is None else part["inner"][0]
 
     def validation_loss(self, which: str = "inner") -> float:
         """Mean next-token loss of the inner model on held-out test documents (cfg.eval_batches batches).
@@ -187,10 +187,11 @@ class Trainer:
                 if len(results) >= n and (not flagged or len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
                     break
                 kept.append(to_global(b, self._outer_sharding))
-                results.append(jax.device_get(self._score_fn(self.state["meta"], kept[-1])))
+                results.append(jax.device_get(self._score_fn(step_lib.on_device(self.state["meta"]), kept[-1])))
             self._scored_batches = kept
         else:
-            results = [jax.device_get(self._score_fn(self.state["meta"], b)) for b in self._scored_batches]
+            meta = step_lib.on_device(self.state["meta"])
+            results = [jax.device_get(self._score_fn(meta, b)) for b in self._scored_batches]
         scores, flags, alphas, docs = (np.concatenate(x) for x in zip(*results))
         return (scores, alphas if weights else None,
                 flags if self.cfg.data.corrupt_fraction > 0 else None, docs)

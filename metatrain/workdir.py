@@ -23,7 +23,7 @@ RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoi
              "eval_batches", "eval_every", "mode", "inner_checkpoint", "save_inner_grads", "checkpoint_dtype",
              "checkpoint_offload", "inner_unroll", "inner_lr",
              "inner.init_from", "data.data_dir", "meta_opt.lr", "meta_opt.clip_norm", "meta_opt.eps",
-             "meta_opt.weight_decay", "meta_opt.offload")
+             "meta_opt.weight_decay", "meta_opt.offload", "meta_opt.offload_params")
 RESUMABLE_GROUPS = ("mesh.", "log.")
 
 

@@ -45,7 +45,7 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
               "model": dataclasses.asdict(cfg.model), "task": cfg.task, "mode": cfg.mode,
               "save_inner_grads": cfg.save_inner_grads, "inner_checkpoint": cfg.inner_checkpoint,
               "checkpoint_dtype": cfg.checkpoint_dtype, "checkpoint_offload": cfg.checkpoint_offload,
-              "meta_opt_offload": cfg.meta_opt.offload,
+              "meta_opt_offload": cfg.meta_opt.offload, "meta_opt_offload_params": cfg.meta_opt.offload_params,
               "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
     start = time.perf_counter()
     compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology is not None, options=options)

@@ -76,9 +76,11 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     offloaded = checkpoint_bytes(offloadable) if variant.offload and topology else 0
     # +offload_opt: the meta-optimizer's matrices are host-memory arguments there (the same rule)
     opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_opt and topology else 0
+    # +offload_params: η's matrices too
+    params_offloaded = _on_device(state["meta"], mesh, offloadable) if variant.offload_params and topology else 0
     row = identity(cfg, variant, topology) | {
         "inner_checkpoint": variant.inner_checkpoint, "inner_peeled": peel,
-        "param_bytes": _on_device(state["meta"], mesh),
+        "param_bytes": _on_device(state["meta"], mesh) - params_offloaded, "offloaded_param_bytes": params_offloaded,
         "meta_opt_bytes": _on_device(state["meta_opt"], mesh) - opt_offloaded,
         "offloaded_opt_bytes": opt_offloaded,
         # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
@@ -88,7 +90,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         # LoRA: θ is the adapters; the frozen base weights are an argument of the step
         "frozen_bytes": _on_device(state.get("frozen"), mesh),
         "meta_model_params": param_count(program.task.meta_model)}
-    row["grad_bytes"] = row["param_bytes"]
+    row["grad_bytes"] = row["param_bytes"] + params_offloaded  # ∇η is on the device
     with tempfile.TemporaryDirectory() as dump:
         with buffers.fresh_compiles() if with_breakdown else contextlib.nullcontext():
             report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)

@@ -1,9 +1,10 @@
 """Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
 
-A variant is `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+unroll][model options]`
+A variant is
+`MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+offload_params][+unroll][model options]`
 (model options: +blockwise, +bf16, +chunked_ce): a meta-gradient mode, per-block rematerialisation, inner
 gradients saved in the per-step checkpoint, an inner-checkpoint schedule, the per-step checkpoint stored in
-bfloat16 and/or in host memory, the meta-optimizer's moments in host memory between steps, the inner steps
+bfloat16 and/or in host memory, the meta-optimizer's moments and η in host memory between steps, the inner steps
 unrolled (straight-line code, not a loop), and model options
 applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
 and a variant into the `Config` whose outer step (`metatrain.step`) the benchmarks compile and time.
@@ -27,11 +28,12 @@ from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
 MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
                  "chunked_ce": {"loss_chunk": 512}}
 SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+unroll][+blockwise][+bf16]"
-        "[+chunked_ce], e.g. mixflow+remat+save+sqrt+blockwise")
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+offload_params][+unroll]"
+        "[+blockwise][+bf16][+chunked_ce], e.g. mixflow+remat+save+sqrt+blockwise")
 BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
 OFFLOAD = "offload"  # ... and/or kept in host memory until the backward pass
 OFFLOAD_OPT = "offload_opt"  # the meta-optimizer's moments in host memory, on the device for the update only
+OFFLOAD_PARAMS = "offload_params"  # η in host memory, on the device for the inner loop's start and the update
 UNROLL = "unroll"  # the inner steps unrolled: each step's checkpoint its own buffer, freed once used
 
 
@@ -50,6 +52,7 @@ class Variant:
     offload: bool = False
     unroll: bool = False
     offload_opt: bool = False
+    offload_params: bool = False
 
     @property
     def name(self) -> str:
@@ -57,6 +60,7 @@ class Variant:
         return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
                 + ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "")
                 + ("+" + OFFLOAD if self.offload else "") + ("+" + OFFLOAD_OPT if self.offload_opt else "")
+                + ("+" + OFFLOAD_PARAMS if self.offload_params else "")
                 + ("+" + UNROLL if self.unroll else "")
                 + "".join("+" + o for o in self.model_options))
 
@@ -76,7 +80,8 @@ class Variant:
         return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
                                    inner_checkpoint=self.inner_checkpoint, checkpoint_dtype=self.checkpoint_dtype,
                                    checkpoint_offload=self.offload, inner_unroll=self.unroll,
-                                   meta_opt=dataclasses.replace(cfg.meta_opt, offload=self.offload_opt),
+                                   meta_opt=dataclasses.replace(cfg.meta_opt, offload=self.offload_opt,
+                                                                offload_params=self.offload_params),
                                    model=self.model(cfg.model))
 
 
@@ -90,7 +95,8 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
     mode, *opts = name.strip().split("+")
     if mode not in MODES:
         raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
-    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, OFFLOAD_OPT, UNROLL, *SCHEDULES, *MODEL_OPTIONS}
+    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, OFFLOAD_OPT, OFFLOAD_PARAMS, UNROLL, *SCHEDULES,
+                           *MODEL_OPTIONS}
     if unknown:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
@@ -101,7 +107,8 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
                           f"parameters is not the one the inner update used); use {FORM}")
     options = tuple(o for o in MODEL_OPTIONS if o in opts)
     return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options,
-                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts, OFFLOAD_OPT in opts)
+                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts, OFFLOAD_OPT in opts,
+                   OFFLOAD_PARAMS in opts)
 
 
 def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,

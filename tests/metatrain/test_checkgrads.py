@@ -85,7 +85,8 @@ def test_cli_bad_task_is_a_one_line_error(capsys):
 
 
 @pytest.mark.parametrize("variant, says", [("mixflow+bf16", "+bf16 does not apply"),
-                                           ("mixflow+remat+save+offload_opt", "+offload_opt moves the meta-optimizer")])
+                                           ("mixflow+remat+save+offload_opt", "+offload_opt moves the meta-optimizer"),
+                                           ("mixflow+remat+save+offload_params", "+offload_params moves")])
 def test_variants_that_change_nothing_checked_are_refused(capsys, variant, says):
     assert cli.main(["check-grads", "--task", "maml", "--variants", variant]) == 2
     err = capsys.readouterr().err.strip()

@@ -32,10 +32,11 @@ def test_batch_specs_carry_the_meshs_shardings():
     assert outer["tokens"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
 
 
-def test_meta_optimizer_state_in_host_memory_gives_the_same_steps_and_checkpoints(tmp_path):
-    """meta_opt.offload=true: the compiled step takes and returns the meta-optimizer's matrices in pinned host memory;
-    two outer steps give the same state, bit for bit, as without it; an Orbax checkpoint of that state comes back
-    in host memory with the same values."""
+def test_meta_optimizer_state_and_eta_in_host_memory_give_the_same_steps_and_checkpoints(tmp_path):
+    """meta_opt.offload=true: the compiled step takes and returns the meta-optimizer's matrices in pinned host memory,
+    with meta_opt.offload_params=true η's too; two outer steps give the same state, bit for bit, as without them;
+    an Orbax checkpoint of that state comes back in host memory with the same values; `step.on_device` brings η
+    back for evaluation."""
     import orbax.checkpoint as ocp
 
     from metatrain import config as config_lib
@@ -43,28 +44,32 @@ def test_meta_optimizer_state_in_host_memory_gives_the_same_steps_and_checkpoint
     from metatrain.sharding import abstract, make_mesh
 
     states, programs = {}, {}
-    for offload in (False, True):
+    placements = {"none": [], "opt": ["meta_opt.offload=true"],
+                  "all": ["meta_opt.offload=true", "meta_opt.offload_params=true"]}
+    for name, flags in placements.items():
         cfg = config_lib.load(None, ["task=maml", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-                                     "model.vocab_size=64", "data.seq_len=8", "data.batch=2",
-                                     f"meta_opt.offload={str(offload).lower()}"])
-        program = programs[offload] = step.meta_program(cfg, make_mesh(cfg.mesh))
+                                     "model.vocab_size=64", "data.seq_len=8", "data.batch=2", *flags])
+        program = programs[name] = step.meta_program(cfg, make_mesh(cfg.mesh))
         state, compiled = step.init(program, jax.random.key(0)), step.lower(program).compile()
         for k in range(2):
             state, metrics = compiled(state, *step.random_batches(cfg.data, 64, jax.random.key(k + 1)))
             assert bool(metrics["finite"])
-        states[offload] = state
+        states[name] = state
     kind = lambda tree: {(x.ndim >= 2, x.sharding.memory_kind) for x in jax.tree.leaves(tree)}
-    assert kind(states[True]["meta_opt"]) == {(True, "pinned_host"), (False, "device")}
-    assert kind(states[False]["meta_opt"]) == {(True, "device"), (False, "device")}
-    assert kind(states[True]["meta"]) == {(True, "device"), (False, "device")}
-    for a, b in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    on_host, on_device = {(True, "pinned_host"), (False, "device")}, {(True, "device"), (False, "device")}
+    assert kind(states["all"]["meta_opt"]) == kind(states["opt"]["meta_opt"]) == on_host
+    assert kind(states["none"]["meta_opt"]) == on_device
+    assert kind(states["opt"]["meta"]) == on_device and kind(states["all"]["meta"]) == on_host
+    assert kind(step.on_device(states["all"]["meta"])) == on_device
+    for name in ("opt", "all"):
+        for a, b in zip(jax.tree.leaves(states[name]), jax.tree.leaves(states["none"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     ckpt = Checkpoints(str(tmp_path), keep=1)
-    ckpt.save(2, {"state": ocp.args.StandardSave(states[True])})
+    ckpt.save(2, {"state": ocp.args.StandardSave(states["all"])})
     ckpt.close()
-    target = abstract(states[True], programs[True].state_shardings)
+    target = abstract(states["all"], programs["all"].state_shardings)
     _, restored = Checkpoints(str(tmp_path), keep=1).restore(target, {})
-    assert kind(restored["state"]["meta_opt"]) == {(True, "pinned_host"), (False, "device")}
-    for a, b in zip(jax.tree.leaves(restored["state"]), jax.tree.leaves(states[False])):
+    assert kind(restored["state"]["meta_opt"]) == kind(restored["state"]["meta"]) == on_host
+    for a, b in zip(jax.tree.leaves(restored["state"]), jax.tree.leaves(states["none"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -196,18 +196,19 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
     flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4",
              "--inner-steps", "3"]
     assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags, "--variants",
-                     "mixflow+remat+save,mixflow+remat+save+bf16_state,mixflow+remat+save+bf16_state+offload,"
-                     "mixflow+remat+save+bf16_state+offload+offload_opt",
+                     "mixflow+remat+save,mixflow+remat+save+bf16_state,mixflow+remat+save+bf16_state+offload+offload_opt,"
+                     "mixflow+remat+save+bf16_state+offload+offload_opt+offload_params",
                      "--baseline", "mixflow+remat+save", "--breakdown", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["mixflow+remat+save", "mixflow+remat+save+bf16_state",
-                                            "mixflow+remat+save+bf16_state+offload",
-                                            "mixflow+remat+save+bf16_state+offload+offload_opt"]
+                                            "mixflow+remat+save+bf16_state+offload+offload_opt",
+                                            "mixflow+remat+save+bf16_state+offload+offload_opt+offload_params"]
     p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
     for r in rows:
         assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
         assert r["hbm_bytes"] > 90 * 2**30 and 0 < r["dynamic_bytes"] < r["peak_bytes"]
-        assert r["param_bytes"] == p // 4  # FSDP: each of the 4 chips holds a quarter of η
+        # FSDP: each of the 4 chips holds a quarter of η (+offload_params: in host memory, but its vectors)
+        assert r["param_bytes"] + r.get("offloaded_param_bytes", 0) == p // 4
         # the buffer assignment's peak: the arguments live (all but a few scalars: the bytes memory_analysis counts),
         # θ-sized temporaries among the rest, the per-step checkpoints ([T-1=2, ...] stacks of a layer weight) with them
         b = r["breakdown"]
@@ -223,15 +224,22 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         f32 = [s for s in stacks if s.startswith("f32")]
         assert stacks and (not f32 if r["variant"].endswith("+bf16_state") else f32), b["param_sized_shapes"]
         assert r["host_temp_bytes"] == r["offloaded_bytes"] == 0
-    full, half, offloaded, opt_too = rows
+    full, half, opt_too, eta_too = rows
     assert half["checkpoint_bytes"] < 0.51 * full["checkpoint_bytes"] and half["peak_bytes"] < full["peak_bytes"]
-    assert offloaded["offloaded_bytes"] > 0.99 * half["checkpoint_bytes"] > 100 * offloaded["checkpoint_bytes"]
+    # +offload: the checkpoints' matrices are host temporaries (not peeled: T states of them, where the device keeps
+    # T - 1, the first step's being the inputs); the vectors stay on the chip
+    assert opt_too["offloaded_bytes"] > half["checkpoint_bytes"] > 100 * opt_too["checkpoint_bytes"]
     # +offload_opt: the meta-optimizer's matrices are host arguments (donated: their outputs in the same place),
     # gone from the chip's arguments and its peak (the compiler's sizes include its tiles' padding, ours do not)
-    assert offloaded["host_io_bytes"] == offloaded["offloaded_opt_bytes"] == 0
+    assert half["host_io_bytes"] == half["offloaded_opt_bytes"] == 0
     assert 0 < opt_too["offloaded_opt_bytes"] <= opt_too["host_io_bytes"] < 2 * opt_too["offloaded_opt_bytes"]
-    assert opt_too["argument_bytes"] == offloaded["argument_bytes"] - opt_too["host_io_bytes"]
-    assert opt_too["peak_bytes"] < offloaded["peak_bytes"]
+    assert opt_too["argument_bytes"] == half["argument_bytes"] - opt_too["host_io_bytes"]
+    assert opt_too["peak_bytes"] < half["peak_bytes"]
+    # +offload_params: η's matrices too; the chip still holds ∇η, and η while the first inner step reads it
+    moved = eta_too["offloaded_param_bytes"]
+    assert 0 < moved and eta_too["host_io_bytes"] - opt_too["host_io_bytes"] >= moved
+    assert eta_too["argument_bytes"] + eta_too["host_io_bytes"] == opt_too["argument_bytes"] + opt_too["host_io_bytes"]
+    assert eta_too["peak_bytes"] <= opt_too["peak_bytes"]
 
 
 def test_resource_exhausted_figure_is_parsed():
