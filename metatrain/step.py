@@ -106,15 +106,14 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
     (value, aux), grad = meta_value_and_grad(task, method)(meta, state["inner"], batches, outer_batch)
     grad_norm = optax.tree.norm(grad)
     opt_state = state["meta_opt"]
-    if offload_meta_opt or offload_params:
-        # Inside a conditional on the meta-gradient: the compiler may not start the copy before the backward pass
-        # is done (as a plain transfer, the TPU compiler starts it at the program's start and holds it throughout).
-        # η's first copy is freed once the forward pass no longer reads it, unless the backward pass keeps it.
-        ok_grad = jnp.isfinite(grad_norm)
-        if offload_meta_opt:
-            opt_state = jax.lax.cond(ok_grad, to_device, to_device, opt_state)
-        if offload_params:
-            meta = jax.lax.cond(ok_grad, to_device, to_device, state["meta"])
+    # Host-memory state comes in inside a conditional on the meta-gradient: the compiler may not start the copy
+    # before the backward pass is done (as a plain transfer, the TPU compiler starts it at the program's start and
+    # holds it throughout). η's first copy is freed once the forward pass no longer reads it, unless the backward
+    # pass keeps it.
+    if offload_meta_opt:
+        opt_state = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, opt_state)
+    if offload_params:
+        meta = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, state["meta"])
     updates, new_opt = meta_opt.update(grad, opt_state, meta)
     new_meta = optax.apply_updates(meta, updates)
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & all_finite(new_meta) & all_finite(new_opt)

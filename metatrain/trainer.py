@@ -157,8 +157,8 @@ class Trainer:
     def validation_loss(self, which: str = "inner") -> float:
         """Mean next-token loss of the inner model on held-out test documents (cfg.eval_batches batches).
         For tasks that restart from η (MAML) the inner model is η itself."""
-        frozen = self.state.get("frozen")
-        return float(np.mean([self._eval_loss(self._theta(which), frozen, b) for b in self._test_batches()]))
+        theta, frozen = self._theta(which), self.state.get("frozen")
+        return float(np.mean([self._eval_loss(theta, frozen, b) for b in self._test_batches()]))
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
@@ -176,7 +176,7 @@ class Trainer:
             self._score_fn = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"],
                                                       weights(meta, b) if weights else b["corrupted"], b["doc"]),
                                      out_shardings=self._replicated)
-        results = []
+        results, meta = [], step_lib.on_device(self.state["meta"])
         if not hasattr(self, "_scored_batches"):
             flagged = self.cfg.data.corrupt_fraction > 0
             n = max(self.cfg.eval_batches, 8) if flagged else self.cfg.eval_batches
@@ -187,10 +187,9 @@ class Trainer:
                 if len(results) >= n and (not flagged or len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
                     break
                 kept.append(to_global(b, self._outer_sharding))
-                results.append(jax.device_get(self._score_fn(step_lib.on_device(self.state["meta"]), kept[-1])))
+                results.append(jax.device_get(self._score_fn(meta, kept[-1])))
             self._scored_batches = kept
         else:
-            meta = step_lib.on_device(self.state["meta"])
             results = [jax.device_get(self._score_fn(meta, b)) for b in self._scored_batches]
         scores, flags, alphas, docs = (np.concatenate(x) for x in zip(*results))
         return (scores, alphas if weights else None,
