@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from metatrain.errors import ConfigError
+from metatrain.models import grad_seed
 
 MODES = ("default", "mixflow", "revfwd")
 
@@ -90,18 +91,23 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
 
 def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
              frozen_argnums: tuple[int, ...] = ()) -> Callable[..., tuple]:
-    """The VJP of `value_and_grad(loss_fn)` computed in `mode`: `vjp(params, inputs, ct_loss, ct_grad) ->
+    """The VJP of `value_and_grad(loss_fn)` computed in `mode`: `vjp(params, inputs, ct_loss, ct_grad[, ct_params]) ->
     (d_params, *d_inputs)` at `(params, *inputs)`, for the cotangents of the loss (None: zero) and of the gradient;
-    inputs that get no cotangent (integers, `frozen_argnums`) get None. `value_and_grad`'s custom VJP is this; a
-    caller holding the primal gradient already (e.g. a saved inner gradient) calls it directly."""
+    inputs that get no cotangent (integers, `frozen_argnums`) get None. `ct_params` (optional): a cotangent params
+    have already, returned added to d_params; under `mixflow` a block stack adds its HVP into it in place.
+    `value_and_grad`'s custom VJP is this; a caller holding the primal gradient already (e.g. a saved inner
+    gradient) calls it directly."""
     if mode not in MODES:
         raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
 
-    def vjp(params, inputs, ct_loss, ct_grad):
+    def vjp(params, inputs, ct_loss, ct_grad, ct_params=None):
         floats, rebuild, cotangents = _split_floats(inputs, frozen_argnums)
 
         def loss_of(p, fl):
             return loss_fn(p, *rebuild(fl))
+
+        if mode == "mixflow" and ct_params is not None:
+            return _seeded_mixflow(loss_fn, params, floats, rebuild, cotangents, ct_loss, ct_grad, ct_params)
 
         if mode == "default":  # reverse-over-reverse
             (value, _), pullback = jax.vjp(jax.value_and_grad(loss_of), params, floats)
@@ -120,6 +126,31 @@ def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
                 return along_v if ct_loss is None else ct_loss.astype(value.dtype) * value + along_v
 
             d_params, d_inputs = jax.grad(objective, argnums=(0, 1))(params, floats)
+        d_params = d_params if ct_params is None else jax.tree.map(jnp.add, d_params, ct_params)
         return (d_params, *cotangents(d_inputs))
 
     return vjp
+
+
+def _seeded_mixflow(loss_fn, params, floats, rebuild, cotangents, ct_loss, ct_grad, ct_params):
+    """mixflow's VJP plus `ct_params`, the cotangent params already have: a block stack's part of  ct_params + H v
+    is accumulated in place in ct_params' buffers (`grad_seed`), the rest added after."""
+    used = set()
+
+    def grad_all(p, fl, seeds):
+        def loss_of(p, fl):
+            with grad_seed.seeding(p, seeds, used):
+                return loss_fn(p, *rebuild(fl))
+
+        return jax.grad(loss_of, argnums=(0, 1))(p, fl)
+
+    zeros = jax.tree.map(jnp.zeros_like, ct_params)  # the primal seed: the primal gradient stays the gradient
+    (g_p, g_in), (d_params, d_inputs) = jax.jvp(lambda p, s: grad_all(p, floats, s), (params, zeros),
+                                                (ct_grad, ct_params))
+    leaves, treedef = jax.tree.flatten(d_params)
+    seeds = jax.tree.leaves(ct_params)
+    d_params = jax.tree.unflatten(treedef, [d if i in used else d + s for i, (d, s) in enumerate(zip(leaves, seeds))])
+    if ct_loss is not None:
+        d_params = jax.tree.map(lambda h, g: h + ct_loss.astype(g.dtype) * g, d_params, g_p)
+        d_inputs = [h + ct_loss.astype(g.dtype) * g for h, g in zip(d_inputs, g_in)]
+    return (d_params, *cotangents(d_inputs))

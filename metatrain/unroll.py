@@ -102,7 +102,9 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
     # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
     inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
-    step = (stored_step if method.checkpoint_dtype or method.checkpoint_offload else checkpointed_step)(
+    # mixflow: the custom VJP of `stored_step` hands θ's cotangent to the Hessian-vector product (`mixflow.backward`)
+    stored = method.checkpoint_dtype or method.checkpoint_offload or method.mode == "mixflow"
+    step = (stored_step if stored else checkpointed_step)(
         task, method, inner_loss)
 
     def f(meta, inner, batches, outer_batch):
@@ -139,7 +141,9 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
 
     Its custom VJP recomputes nothing forward: the cotangent of (θ_i+1, υ_i+1) goes through the VJP of the
     inner update at the stored (∇L_i, θ_i, υ_i), then the cotangent it gives ∇L_i through `mixflow.backward` (the
-    mode's Hessian- and mixed-vector products), so a saved gradient is used as such. Everything is computed in
+    mode's Hessian- and mixed-vector products; θ_i's own cotangent goes in with it, so that under `mixflow` the block
+    stack's HVP is accumulated into it in place: `models.grad_seed`), so a saved gradient is used as such. Every
+    `mixflow` run uses this step (also without the storage options). Everything is computed in
     the carry's dtype, from the stored values cast back up."""
     plain = jax.value_and_grad(inner_loss)
     vjp = mixflow.backward(inner_loss, method.mode, frozen_argnums=(2,))
@@ -184,9 +188,10 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
         grads = plain(theta, meta, batch, frozen)[1] if grads is None else load(grads, ct_new[0])
         _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
         ct_grads, ct_theta, ct_opt, ct_meta = pullback(ct_new)
-        d_theta, d_meta, d_batch, d_frozen = vjp(theta, (meta, batch, frozen), ct_loss, ct_grads)
+        # ct_theta goes in, not added after: under mixflow a block stack accumulates H v into it in place
+        d_theta, d_meta, d_batch, d_frozen = vjp(theta, (meta, batch, frozen), ct_loss, ct_grads, ct_theta)
         add = lambda d, c: jax.tree.map(lambda x, y: y if x is None else x + y, d, c, is_leaf=lambda x: x is None)
-        return (add(d_theta, ct_theta), ct_opt), d_batch, add(d_meta, ct_meta), d_frozen
+        return (d_theta, ct_opt), d_batch, add(d_meta, ct_meta), d_frozen
 
     step.defvjp(fwd, bwd, symbolic_zeros=True)
     return step

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from metatrain.models import grad_seed
 from metatrain.models.config import ModelConfig
 from metatrain.models.lora import WEIGHTS, LoRAConfig, adapted, attach
 
@@ -279,6 +280,10 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.activation_dtype)  # [batch, seq, d_model]
 
         graphdef, stacked = nnx.split(self.blocks)
+        seeds = grad_seed.lookup(stacked) if self.cfg.remat and self.cfg.remat_policy == "nothing_saveable" else None
+        if seeds is not None:  # inside MixFlow's Hessian-vector product: θ̄ + H ḡ accumulated in place
+            apply = lambda state, h, pos, seg: nnx.merge(graphdef, state)(h, pos, seg)
+            return self.final_norm(grad_seed.scan(apply, x, stacked, seeds, (positions, segment_ids)))
 
         def body(x, block_state):
             return nnx.merge(graphdef, block_state)(x, positions, segment_ids), None
