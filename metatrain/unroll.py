@@ -185,7 +185,10 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
         ct_new = jax.tree.map(_instantiate, ct_new, is_leaf=lambda c: isinstance(c, SymbolicZero))
         ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
         theta, opt_state = load(carry, ct_new)
-        grads = plain(theta, meta, batch, frozen)[1] if grads is None else load(grads, ct_new[0])
+        if grads is None:  # recomputed; the barrier stops XLA merging it with the forward pass's (kept alive then)
+            grads = plain(*jax.lax.optimization_barrier((theta, meta, batch, frozen)))[1]
+        else:
+            grads = load(grads, ct_new[0])
         _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
         ct_grads, ct_theta, ct_opt, ct_meta = pullback(ct_new)
         # ct_theta goes in, not added after: under mixflow a block stack accumulates H v into it in place
