@@ -186,7 +186,7 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
         ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
         theta, opt_state = load(carry, ct_new)
         if grads is None:  # recomputed; the barrier stops XLA merging it with the forward pass's (kept alive then)
-            grads = plain(*jax.lax.optimization_barrier((theta, meta, batch, frozen)))[1]
+            grads = plain(jax.lax.optimization_barrier(theta), meta, batch, frozen)[1]
         else:
             grads = load(grads, ct_new[0])
         _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
