@@ -185,8 +185,12 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
         ct_new = jax.tree.map(_instantiate, ct_new, is_leaf=lambda c: isinstance(c, SymbolicZero))
         ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
         theta, opt_state = load(carry, ct_new)
-        if grads is None:  # recomputed; the barrier stops XLA merging it with the forward pass's (kept alive then)
-            grads = plain(jax.lax.optimization_barrier(theta), meta, batch, frozen)[1]
+        # the barrier stops XLA merging what the backward pass computes from θ_i with the forward pass's (kept alive
+        # from one to the other then): the recomputed gradient, and the compute-dtype copies of θ_i's stacked
+        # weights that XLA makes once per value and shares among the loops over layers
+        theta = jax.lax.optimization_barrier(theta)
+        if grads is None:  # recomputed
+            grads = plain(theta, meta, batch, frozen)[1]
         else:
             grads = load(grads, ct_new[0])
         _, pullback = jax.vjp(task.update, grads, theta, opt_state, meta)
