@@ -26,6 +26,7 @@ from collections import Counter
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8}
@@ -33,13 +34,16 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16"
 
 @contextlib.contextmanager
 def fresh_compiles():
-    """Compile for real inside: a program read from JAX's persistent compilation cache writes no dump."""
+    """Compile for real inside: a program read from JAX's persistent compilation cache writes no dump. (JAX decides
+    once per process whether it uses the cache: the decision is reset on the way in and out.)"""
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
 
 
 def dump_options(folder: str) -> dict:
@@ -123,7 +127,7 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
         for g in groups:
             names = [name for _, _, name in g]
             out.append({"name": names[0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"],
-                        "op": _op(names, ops), "start": g[0][0], "end": max(e for _, e, _ in g)})
+                        "op": _op(names, ops), "start": g[0][0], "end": max(e for _, e, _ in g), "values": names})
     return out, max(n, 1 + max((r["end"] for r in out), default=0))
 
 
@@ -179,6 +183,35 @@ def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_by
             "param_units": parts["param_sized_bytes"] / param_bytes if param_bytes else None,
             "param_sized_shapes": dict(per_leaf.most_common()),
             "largest": [{k: b[k] for k in ("name", "bytes", "shape", "kind", "op")} for b in buffers[:16]]}
+
+
+def backward_start(regions: list[dict], leaves: set[tuple[int, ...]]) -> int | None:
+    """The schedule position where the outer backward pass begins: its first parameter-sized buffer (the outer
+    loss's gradient), one made by an instruction whose JAX op name's outermost transformation is a transpose
+    (`jit(f)/transpose(...)/...`; the forward pass's inner gradients are `jit(f)/jvp(...)/...`). Broadcasts and
+    copies are left out: XLA merges equal broadcasts of a constant (the zeros a gradient is accumulated into) from
+    both passes and keeps either's name, and a copy takes its operand's. None: none found."""
+    outer = lambda op: op.split("/")[1] if op.count("/") else ""
+    starts = [r["start"] for r in regions if r["kind"] == "temp" and outer(r["op"]).startswith("transpose(")
+              and "broadcast" not in r["name"] and not r["name"].startswith("copy")
+              and _param_sized(_dims(r["shape"]), leaves)]
+    return min(starts, default=None)
+
+
+def checkpoints_at_peak(regions: list[dict], n: int, param_leaves: list[tuple[int, ...]]) -> dict:
+    """The per-step checkpoints as the compiled program keeps them: parameter-sized temporaries written in the
+    forward pass (before `backward_start`) and live at the peak (which can come before that start: the outer
+    loss's gradient in [batch, seq, vocab] logits). Where no loop over inner steps is left the
+    compiler frees or never keeps some of them (at T=2 it recomputes the first step's Adam moments from the
+    saved gradient), so counting them from shapes overstates what is live. A constant splat (zeros XLA made early
+    for the backward pass to accumulate into, never written in the forward) is not a checkpoint."""
+    leaves = _leaves(param_leaves)
+    t, start = int(np.argmax(timeline(regions, n))), backward_start(regions, leaves)
+    written = lambda r: not all("broadcast" in v for v in r.get("values", [r["name"]]))  # not a splat kept for later
+    kept = [] if start is None else [r for r in regions if r["kind"] == "temp" and r["start"] < start
+                                     and r["start"] <= t <= r["end"] and _param_sized(_dims(r["shape"]), leaves)
+                                     and written(r)]
+    return {"peak_position": t, "backward_start": start, "checkpoint_live_bytes": sum(r["bytes"] for r in kept)}
 
 
 def profile(folder: str, param_leaves: list[tuple[int, ...]], param_bytes: int, points: int = 400) -> dict:

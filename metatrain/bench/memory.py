@@ -11,9 +11,12 @@ inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TP
              state, a carried inner state), the batches, (T - 1) x (θ, υ) (the first step's are the inputs) and
              with saved inner gradients T x ∇L, and the meta-gradient: allocated once, written once.
 - dynamic  = peak - static: activations and partial derivatives that are reused from step to step.
-             This is what mixed-mode differentiation reduces. Not split where no loop over inner steps is left
-             (`+unroll`, or T=2: `unroll.straight_line`): the checkpoints are freed step by step, not all live
-             at the peak, so static and dynamic are None there.
+             This is what mixed-mode differentiation reduces.
+- Where no loop over inner steps is left (`+unroll`, or T=2: `unroll.straight_line`) the checkpoints are freed
+  step by step and the compiler keeps only those it needs (at T=2 it recomputes the first step's Adam moments from
+  the saved gradient): their bytes are then read from the buffer assignment (`buffers.checkpoints_at_peak`: the
+  parameter-sized buffers written in the forward pass and live at the peak), at most the count from shapes;
+  `static_from` says which ("buffers" or "shapes"). A row without a backward pass found in the dump is not split.
 
 The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
 every figure is per chip (FSDP over all chips). A program over the chip's HBM, which the TPU compiler
@@ -91,13 +94,20 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         "frozen_bytes": _on_device(state.get("frozen"), mesh),
         "meta_model_params": param_count(program.task.meta_model)}
     row["grad_bytes"] = row["param_bytes"] + params_offloaded  # ∇η is on the device
+    # no loop left (+unroll, or T=2): each step's checkpoint is freed once its backward pass has used it, and the
+    # compiler need not keep all of them; what it keeps is read from its buffer assignment
+    straight = straight_line(d.inner_steps, variant.unroll, peel)
+    dumping = with_breakdown or straight
     with tempfile.TemporaryDirectory() as dump:
-        with buffers.fresh_compiles() if with_breakdown else contextlib.nullcontext():
-            report = compile_report(cfg, topology, built, buffers.dump_options(dump) if with_breakdown else None)
-        if with_breakdown and report["exact"]:
+        with buffers.fresh_compiles() if dumping else contextlib.nullcontext():
+            report = compile_report(cfg, topology, built, buffers.dump_options(dump) if dumping else None)
+        if dumping and report["exact"]:
             leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
             shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
-            row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
+            if with_breakdown:
+                row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
+            if straight:
+                row |= buffers.checkpoints_at_peak(*buffers.read_dump(dump), shapes)
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
                                        "host_temp_bytes", "host_io_bytes", "flops", "fits", "exact", "hbm_bytes",
                                        "refused_bytes", "compile_s")}
@@ -106,12 +116,14 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "
                           f"v5p topology (v5e cannot compile past the limit) with shapes nearer its HBM")
     peak = report["peak_bytes"]
-    # no loop left (+unroll, or T=2): each step's checkpoint is freed once its backward pass has used it, so the split
-    # does not hold
-    static = None if straight_line(d.inner_steps, variant.unroll, peel) else (
-        report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"] + row["checkpoint_bytes"]
-        + row["grad_bytes"])
-    return row | {"peak_bytes": peak, "static_bytes": static,
+    entry = report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"]
+    if not straight:
+        static = entry + row["checkpoint_bytes"] + row["grad_bytes"]
+    elif row.get("backward_start") is None:  # no backward pass found in the dump: no split
+        static = None
+    else:  # never more than the shapes count
+        static = entry + min(row["checkpoint_live_bytes"], row["checkpoint_bytes"]) + row["grad_bytes"]
+    return row | {"peak_bytes": peak, "static_bytes": static, "static_from": "buffers" if straight else "shapes",
                   "dynamic_bytes": None if static is None else peak - static}
 
 
@@ -204,8 +216,8 @@ def table(rows: list[dict], baseline: str) -> str:
     where = f"per chip, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
     return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
                                f"less memory than {baseline}; static = inputs + outputs + per-step checkpoints + ∇η, "
-                               f"dynamic = the rest; not split where no loop over inner steps is left: T <= 2 or "
-                               f"+unroll, each step's checkpoint freed once used)")
+                               f"dynamic = the rest; where no loop over inner steps is left (T <= 2 or +unroll) the "
+                               f"checkpoints are those live at the peak in the compiled program)")
 
 
 def breakdown_table(rows: list[dict]) -> str:

@@ -61,3 +61,32 @@ def test_a_scans_stacked_output_and_the_loop_carrying_it_are_one_buffer(tmp_path
     t = out["timeline"]
     assert len(t["live_bytes"]) == min(50, t["positions"]) and max(t["live_bytes"]) == live
     assert all(a <= v for a, v in zip(t["argument_bytes"], t["live_bytes"]))
+
+
+def _region(name, shape, start, end, op, values=None):
+    return {"name": name, "bytes": 4 * N, "shape": shape, "kind": "temp", "op": op, "start": start, "end": end,
+            "values": values or [name]}
+
+
+def test_checkpoints_at_peak_are_parameter_sized_buffers_written_before_the_backward_pass():
+    """A schedule of 10 positions, θ one leaf of N floats: the outer backward pass starts at 5 (the first
+    parameter-sized buffer an outer `transpose(...)` made; a zeros splat XLA shared between the passes, named for
+    the backward one, and a copy of it do not count); the peak at 7. A checkpoint is parameter-sized, made before
+    5 and live at 7: the saved gradient is; the activation (not θ's shape), the gradient freed at 4, the splat
+    never written in the forward pass and the backward pass's own buffers are not."""
+    leaf = f"f32[{N}]{{0}}"
+    regions = [
+        _region("saved_grad", leaf, 1, 9, "jit(f)/jvp(transpose(jvp()))/dot_general", ["saved_grad", "while.3{1}"]),
+        _region("freed_grad", leaf, 1, 4, "jit(f)/jvp(transpose(jvp()))/dot_general"),
+        _region("activation", f"f32[{N // 2},2]{{1,0}}", 2, 8, "jit(f)/jvp()/tanh"),
+        _region("broadcast.1", leaf, 0, 8, "jit(f)/transpose(jvp())/while"),  # zeros kept for the backward pass
+        _region("copy.2", leaf, 3, 8, "jit(f)/transpose(jvp())/while"),
+        _region("fusion.5", leaf, 5, 9, "jit(f)/transpose(jvp())/dot_general"),  # the outer loss's gradient
+        _region("fusion.6", leaf, 7, 7, "jit(f)/transpose(jvp())/while/body/add"),
+    ]
+    got = buffers.checkpoints_at_peak(regions, 10, [(N,)])
+    assert buffers.timeline(regions, 10).argmax() == 7
+    assert got == {"peak_position": 7, "backward_start": 5, "checkpoint_live_bytes": 4 * N + 4 * N}, got
+    # "copy.2" is made before the backward pass and written: counted beside the saved gradient. Without a backward
+    # pass there is nothing to split
+    assert buffers.checkpoints_at_peak(regions[:3], 10, [(N,)])["backward_start"] is None
