@@ -157,6 +157,11 @@ def _leaves(param_leaves: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
     return {tuple(s) for s in param_leaves if math.prod(s) >= 65536}
 
 
+def tells_apart(param_leaves: list[tuple[int, ...]]) -> bool:
+    """Whether a dump can tell θ-sized buffers from activations: θ has a leaf of 64K elements or more."""
+    return bool(_leaves(param_leaves))
+
+
 def _param_sized(dims: tuple[int, ...], leaves: set[tuple[int, ...]]) -> bool:
     """A θ leaf's shape, or a stack of k <= 16 of them (per-step copies, e.g. T checkpoints). By shape, not
     element count: an activation [layers, batch, seq, d_model] can have as many elements as a weight."""

@@ -16,7 +16,8 @@ inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TP
   step by step and the compiler keeps only those it needs (at T=2 it recomputes the first step's Adam moments from
   the saved gradient): their bytes are then read from the buffer assignment (`buffers.checkpoints_at_peak`: the
   parameter-sized buffers written in the forward pass and live at the peak), at most the count from shapes;
-  `static_from` says which ("buffers" or "shapes"). A row without a backward pass found in the dump is not split.
+  `static_from` says which ("buffers" or "shapes"). A row without a backward pass found in the dump, or whose θ
+  has no leaf of 64K elements (too small to tell from activations), is not split.
 
 The checkpoint and ∇η bytes are counted from shapes (XLA keeps them inside `temp`). On a TPU topology
 every figure is per chip (FSDP over all chips). A program over the chip's HBM, which the TPU compiler
@@ -97,16 +98,17 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     # no loop left (+unroll, or T=2): each step's checkpoint is freed once its backward pass has used it, and the
     # compiler need not keep all of them; what it keeps is read from its buffer assignment
     straight = straight_line(d.inner_steps, variant.unroll, peel)
-    dumping = with_breakdown or straight
+    leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
+    shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
+    split = straight and buffers.tells_apart(shapes)  # else (a toy model) no split: not worth a dump
+    dumping = with_breakdown or split
     with tempfile.TemporaryDirectory() as dump:
         with buffers.fresh_compiles() if dumping else contextlib.nullcontext():
             report = compile_report(cfg, topology, built, buffers.dump_options(dump) if dumping else None)
         if dumping and report["exact"]:
-            leaves = jax.tree.leaves(abstract(theta, tree_shardings(theta, mesh)))
-            shapes = [x.sharding.shard_shape(x.shape) for x in leaves]  # per device
             if with_breakdown:
                 row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
-            if straight:
+            if split:
                 row |= buffers.checkpoints_at_peak(*buffers.read_dump(dump), shapes)
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
                                        "host_temp_bytes", "host_io_bytes", "flops", "fits", "exact", "hbm_bytes",
