@@ -133,6 +133,16 @@ def test_cli_bad_variant(capsys):
     assert "unknown option(s) ['fast']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["bench", "memory"], ["compile"]])
+def test_model_overrides_that_flags_would_shadow_are_refused(command, capsys):
+    """`model.d_model=16` after the flags would be replaced by the --model preset's model: an error, not a silent
+    44m."""
+    assert cli.main([*command, "--model", "tiny", "model.d_model=16", "data.batch=2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.d_model=16, data.batch=2: the model, task and batch shapes come from flags here" in err
+    assert "--d-model" in err and "--batch" in err
+
+
 @pytest.mark.slow
 def test_tasks_grid_with_plot(tmp_path):
     out, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
