@@ -69,6 +69,24 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return f"process {jax.process_index()} of {jax.process_count()} ({where})"
 
 
+def barrier(name: str, timeout: int = 1800) -> None:
+    """Wait until every process of a multi-process job has reached `name` (nothing in a single process).
+
+    The coordination service's barrier, not a device collective: the first collective over a set of CPU devices
+    sets up XLA:CPU's Gloo context, which gives up after 30 s if a peer is not there yet. Called after work whose
+    length differs between processes (compiling the outer step), it lets them reach the next collective together.
+    A peer that dies meanwhile is still caught by the heartbeat timeout."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the client that jax.distributed.initialize made
+
+    client = jax_distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"metatrain:{name}", timeout * 1000)
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(ENV[name])
     if value is None:

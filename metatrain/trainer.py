@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import auto
+from metatrain import auto, distributed
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -87,6 +87,8 @@ class Trainer:
         self._eval_loss = jax.jit(lambda theta, frozen, b:
                                   self.task.with_frozen(frozen).example_losses(theta, b).mean(),
                                   out_shardings=self._replicated)
+        # processes finish compiling at different times; Orbax's first sync is a Gloo collective (30 s to join)
+        distributed.barrier("compiled")
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
         self._stop_signal = None

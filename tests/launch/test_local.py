@@ -58,3 +58,43 @@ def test_a_dead_process_stops_the_others(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+LATE_PEER = """
+import os, sys, time
+from metatrain import cli, trainer
+
+compile_ = trainer.Trainer._compile
+
+
+def slower(self, program):  # process 1 compiles 40 s longer, as on a loaded machine
+    out = compile_(self, program)
+    time.sleep(40 if os.environ["METATRAIN_PROCESS_ID"] == "1" else 0)
+    return out
+
+
+trainer.Trainer._compile = slower
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_peer_compiling_40s_longer_joins_the_first_collective(tmp_path):
+    """Orbax's first sync after compiling is a Gloo collective, whose setup gives up after 30 s: the Trainer's
+    barrier after compiling lets a late peer join (without it this run fails: "Gloo context initialization
+    failed", then hangs until the shutdown barrier times out)."""
+    workdir, port = tmp_path / "run", local.free_port()
+    procs = []
+    for i in range(2):
+        process_env = env(2, METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2",
+                          METATRAIN_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-c", LATE_PEER, "train", *MULTI, f"workdir={workdir}",
+                                       "steps=2"], env=process_env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert (workdir / "checkpoints" / "2").is_dir()
