@@ -244,10 +244,15 @@ def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
     return dataclasses.replace(cfg, model=model, data=data)
 
 
+def override_key(override: str) -> str:
+    """The key a `key=value` override sets (`data.batch` of ` data.batch=2`)."""
+    return override.split("=")[0].strip()
+
+
 def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool = True) -> Config:
     """Defaults ← `configs/<preset>.yaml` (or a YAML path) ← `key=value` overrides; validated. With `pretrained`
     the model follows `inner.init_from`'s checkpoint (`follow_pretrained`); False reads a saved config as it is."""
-    tokenizer_given = any(o.split("=")[0].strip() == "data.tokenizer" for o in overrides)
+    tokenizer_given = any(override_key(o) == "data.tokenizer" for o in overrides)
     try:
         merged = OmegaConf.structured(Config)
         if preset:
@@ -271,7 +276,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
-    given = {o.split("=")[0].strip() for o in overrides}
+    given = {override_key(o) for o in overrides}
     if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
         # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corrupt_fraction=0.0))

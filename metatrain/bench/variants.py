@@ -118,8 +118,8 @@ def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_st
     if "inner_checkpoint=auto" in overrides or "mode=auto" in overrides:
         raise ConfigError("mode / inner_checkpoint: `auto` is for training runs; name the variants to compare "
                           "instead, e.g. mixflow+remat+save,mixflow+remat+save+sqrt")
-    shadowed = [o for o in overrides if o.split("=")[0].startswith("model.")
-                or o.split("=")[0] in ("task", "data.seq_len", "data.batch", "data.inner_steps")]
+    shadowed = [o for o in overrides if config_lib.override_key(o).startswith("model.")
+                or config_lib.override_key(o) in ("task", "data.seq_len", "data.batch", "data.inner_steps")]
     if shadowed:
         raise ConfigError(f"{', '.join(shadowed)}: the model, task and batch shapes come from flags here "
                           "(--model, --d-model, --n-layers, ..., --task, --seq-len, --batch, --inner-steps); "

@@ -1,6 +1,7 @@
 """The multi-host path on one machine: 2 processes x 2 CPU devices against 1 process on 1 device, resume across a
 2-process restart, and a dead process stopping the job."""
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -14,6 +15,23 @@ from metatrain.launch import local
 
 pytestmark = pytest.mark.slow
 MULTI = [*TINY, "mesh.fsdp=2", "data.shards=2"]
+
+
+@contextlib.contextmanager
+def two_processes(command: list[str]):
+    """`python COMMAND` as processes 0 and 1 of one job (2 CPU devices each), stderr captured as text; whichever is
+    still running on the way out is killed."""
+    port = local.free_port()
+    procs = [subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env(2, METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2",
+                                      METATRAIN_PROCESS_ID=str(i)))
+             for i in range(2)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def test_two_processes_match_one_and_resume(tmp_path):
@@ -31,33 +49,22 @@ def test_two_processes_match_one_and_resume(tmp_path):
 
 def test_a_dead_process_stops_the_others(tmp_path):
     """Process 1 is SIGKILLed mid-run; process 0 must exit with an error, not hang."""
-    workdir, port = tmp_path / "run", local.free_port()
-    procs = []
-    for i in range(2):
-        process_env = env(2, METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2",
-                          METATRAIN_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "metatrain.cli", "train", *MULTI, "mesh.fsdp=1", f"workdir={workdir}",
-             "steps=100000", "checkpoint_every=0", "--heartbeat-timeout", "10"],
-            env=process_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    workdir = tmp_path / "run"
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
-    try:
+    with two_processes(["-m", "metatrain.cli", "train", *MULTI, "mesh.fsdp=1", f"workdir={workdir}", "steps=100000",
+                        "checkpoint_every=0", "--heartbeat-timeout", "10"]) as procs:
         while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started
-            assert all(p.poll() is None for p in procs), procs[0].stderr.read().decode()[-3000:]
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
             assert time.time() < deadline, "no step within 300 s"
             time.sleep(0.2)
         procs[1].send_signal(signal.SIGKILL)
         killed_at = time.time()
         procs[0].wait(timeout=120)  # heartbeat timeout 10 s, plus slack for a loaded machine
         waited = time.time() - killed_at
-        err = procs[0].stderr.read().decode()
+        err = procs[0].stderr.read()
         assert procs[0].returncode != 0
         assert "another task died" in err or "unhealthy" in err, err[-3000:]
         assert waited < 120
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 LATE_PEER = """
@@ -82,19 +89,8 @@ def test_a_peer_compiling_40s_longer_joins_the_first_collective(tmp_path):
     """Orbax's first sync after compiling is a Gloo collective, whose setup gives up after 30 s: the Trainer's
     barrier after compiling lets a late peer join (without it this run fails: "Gloo context initialization
     failed", then hangs until the shutdown barrier times out)."""
-    workdir, port = tmp_path / "run", local.free_port()
-    procs = []
-    for i in range(2):
-        process_env = env(2, METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2",
-                          METATRAIN_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen([sys.executable, "-c", LATE_PEER, "train", *MULTI, f"workdir={workdir}",
-                                       "steps=2"], env=process_env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
+    workdir = tmp_path / "run"
+    with two_processes(["-c", LATE_PEER, "train", *MULTI, f"workdir={workdir}", "steps=2"]) as procs:
         errs = [p.communicate(timeout=300)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert (workdir / "checkpoints" / "2").is_dir()
