@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from metatrain.errors import ConfigError
@@ -38,6 +39,18 @@ def _is_float(x) -> bool:
 
 def _is_primal(x) -> bool:
     return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def unwrap(tree):
+    """A custom VJP's primals as values (with `symbolic_zeros`, its fwd gets them wrapped)."""
+    return jax.tree.map(lambda x: x.value, tree, is_leaf=_is_primal)
+
+
+def instantiate(c):
+    """A cotangent, a SymbolicZero made zeros (float0 for integer primals)."""
+    if not isinstance(c, SymbolicZero):
+        return c
+    return np.zeros(c.shape, jax.dtypes.float0) if c.dtype == jax.dtypes.float0 else jnp.zeros(c.shape, c.dtype)
 
 
 def _split_floats(inputs, frozen_argnums=()):
@@ -73,7 +86,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
         return plain(params, *inputs)
 
     def fwd(params, *inputs):  # with symbolic_zeros, primals come wrapped (.value, .perturbed)
-        params, inputs = jax.tree.map(lambda x: x.value, (params, inputs), is_leaf=_is_primal)
+        params, inputs = unwrap((params, inputs))
         return plain(params, *inputs), (params, inputs)
 
     def bwd(residuals, cotangent):

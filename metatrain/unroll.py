@@ -18,11 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
-from metatrain import mixflow
+from metatrain import mixflow, two_steps
 from metatrain.errors import ConfigError
 from metatrain.tasks import Task
 
@@ -109,6 +108,9 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
 
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
+        if two_steps.applies(method, jax.tree.leaves(batches)[0].shape[0]):
+            value, inner_losses, final = two_steps.run(task)(start, batches, meta, task.frozen, outer_batch)
+            return value, OuterAux(final, inner_losses)
         final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
                                        method.inner_checkpoint, method.unroll, method.peel)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
@@ -174,15 +176,14 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
         return new, loss
 
     def fwd(carry, batch, meta, frozen):  # with symbolic_zeros, primals come wrapped (.value)
-        carry, batch, meta, frozen = jax.tree.map(lambda x: x.value, (carry, batch, meta, frozen),
-                                                  is_leaf=mixflow._is_primal)
+        carry, batch, meta, frozen = mixflow.unwrap((carry, batch, meta, frozen))
         new, loss, grads = run(carry, batch, meta, frozen)
         return (new, loss), (store(carry), store(grads) if method.save_inner_grads else None, batch, meta, frozen)
 
     def bwd(residuals, cotangent):
         carry, grads, batch, meta, frozen = residuals
         ct_new, ct_loss = cotangent
-        ct_new = jax.tree.map(_instantiate, ct_new, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        ct_new = jax.tree.map(mixflow.instantiate, ct_new, is_leaf=lambda c: isinstance(c, SymbolicZero))
         ct_loss = None if isinstance(ct_loss, SymbolicZero) else ct_loss
         theta, opt_state = load(carry, ct_new)
         # the barrier stops XLA merging what the backward pass computes from θ_i with the forward pass's (kept alive
@@ -209,12 +210,6 @@ def offloadable(x) -> bool:
     and vectors (norm scales, biases) stay: the TPU compiler cannot stack a scalar, nor a bfloat16 vector, one
     step at a time in host memory."""
     return x.ndim >= 2
-
-
-def _instantiate(c):
-    if not isinstance(c, SymbolicZero):
-        return c
-    return np.zeros(c.shape, jax.dtypes.float0) if c.dtype == jax.dtypes.float0 else jnp.zeros(c.shape, c.dtype)
 
 
 def segments(n_steps: int, schedule: str) -> list[int]:

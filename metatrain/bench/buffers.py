@@ -127,7 +127,8 @@ def read_dump(folder: str) -> tuple[list[dict], int]:
         for g in groups:
             names = [name for _, _, name in g]
             out.append({"name": names[0], "bytes": r["bytes"], "shape": r["shape"], "kind": r["kind"],
-                        "op": _op(names, ops), "start": g[0][0], "end": max(e for _, e, _ in g), "values": names})
+                        "op": _op(names, ops), "start": g[0][0], "end": max(e for _, e, _ in g), "values": names,
+                        "value_ops": [ops.get(v.split("{")[0], "") for v in names]})
     return out, max(n, 1 + max((r["end"] for r in out), default=0))
 
 
@@ -190,14 +191,18 @@ def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_by
             "largest": [{k: b[k] for k in ("name", "bytes", "shape", "kind", "op")} for b in buffers[:16]]}
 
 
+def _outer(op: str) -> str:
+    """An op name's outermost transformation: `jit(f)/transpose(jvp(g))/...` -> `transpose(jvp(g))`."""
+    return op.split("/")[1] if op.count("/") else ""
+
+
 def backward_start(regions: list[dict], leaves: set[tuple[int, ...]]) -> int | None:
     """The schedule position where the outer backward pass begins: its first parameter-sized buffer (the outer
     loss's gradient), one made by an instruction whose JAX op name's outermost transformation is a transpose
     (`jit(f)/transpose(...)/...`; the forward pass's inner gradients are `jit(f)/jvp(...)/...`). Broadcasts and
     copies are left out: XLA merges equal broadcasts of a constant (the zeros a gradient is accumulated into) from
     both passes and keeps either's name, and a copy takes its operand's. None: none found."""
-    outer = lambda op: op.split("/")[1] if op.count("/") else ""
-    starts = [r["start"] for r in regions if r["kind"] == "temp" and outer(r["op"]).startswith("transpose(")
+    starts = [r["start"] for r in regions if r["kind"] == "temp" and _outer(r["op"]).startswith("transpose(")
               and "broadcast" not in r["name"] and not r["name"].startswith("copy")
               and _param_sized(_dims(r["shape"]), leaves)]
     return min(starts, default=None)
@@ -208,15 +213,27 @@ def checkpoints_at_peak(regions: list[dict], n: int, param_leaves: list[tuple[in
     forward pass (before `backward_start`) and live at the peak (which can come before that start: the outer
     loss's gradient in [batch, seq, vocab] logits). Where no loop over inner steps is left the
     compiler frees or never keeps some of them (at T=2 it recomputes the first step's Adam moments from the
-    saved gradient), so counting them from shapes overstates what is live. A constant splat (zeros XLA made early
-    for the backward pass to accumulate into, never written in the forward) is not a checkpoint."""
+    saved gradient), so counting them from shapes overstates what is live. A buffer the forward pass never wrote
+    is not a checkpoint: a constant splat (zeros XLA made early for the backward pass to accumulate into), or one
+    only the backward pass wrote into (such a splat, then the outer loss's gradient accumulated into it)."""
     leaves = _leaves(param_leaves)
     t, start = int(np.argmax(timeline(regions, n))), backward_start(regions, leaves)
-    written = lambda r: not all("broadcast" in v for v in r.get("values", [r["name"]]))  # not a splat kept for later
     kept = [] if start is None else [r for r in regions if r["kind"] == "temp" and r["start"] < start
                                      and r["start"] <= t <= r["end"] and _param_sized(_dims(r["shape"]), leaves)
-                                     and written(r)]
+                                     and written_forward(r)]
     return {"peak_position": t, "backward_start": start, "checkpoint_live_bytes": sum(r["bytes"] for r in kept)}
+
+
+def written_forward(region: dict) -> bool:
+    """Whether the forward pass may have written the region: not when it is only a broadcast (a constant splat), nor
+    when all its other values with a JAX op name were made by the backward pass (the name's outermost transformation
+    a transpose; loop carries have no name, and a copy takes its operand's: they tell nothing)."""
+    values = region.get("values", [region["name"]])
+    ops = region.get("value_ops", [region["op"]] * len(values))
+    named = [_outer(op) for v, op in zip(values, ops) if "broadcast" not in v and not v.startswith("copy") and op]
+    if all("broadcast" in v for v in values):
+        return False
+    return not named or not all(o.startswith("transpose(") for o in named)
 
 
 def profile(folder: str, param_leaves: list[tuple[int, ...]], param_bytes: int, points: int = 400) -> dict:

@@ -63,9 +63,10 @@ def test_a_scans_stacked_output_and_the_loop_carrying_it_are_one_buffer(tmp_path
     assert all(a <= v for a, v in zip(t["argument_bytes"], t["live_bytes"]))
 
 
-def _region(name, shape, start, end, op, values=None):
+def _region(name, shape, start, end, op, values=None, value_ops=None):
+    values = values or [name]
     return {"name": name, "bytes": 4 * N, "shape": shape, "kind": "temp", "op": op, "start": start, "end": end,
-            "values": values or [name]}
+            "values": values, "value_ops": value_ops or [op] * len(values)}
 
 
 def test_checkpoints_at_peak_are_parameter_sized_buffers_written_before_the_backward_pass():
@@ -90,3 +91,17 @@ def test_checkpoints_at_peak_are_parameter_sized_buffers_written_before_the_back
     # "copy.2" is made before the backward pass and written: counted beside the saved gradient. Without a backward
     # pass there is nothing to split
     assert buffers.checkpoints_at_peak(regions[:3], 10, [(N,)])["backward_start"] is None
+
+
+def test_a_buffer_only_the_backward_pass_wrote_is_not_a_checkpoint():
+    """A zeros splat made at 2, then carried into a loop (no name) and accumulated into by the backward pass: the
+    outer loss's gradient, not a checkpoint, though it starts before the backward pass's first own buffer (5). A
+    splat XLA shared between the passes, named for the backward one, then written by the forward pass, is one."""
+    leaf, back = f"f32[{N}]{{0}}", "jit(f)/transpose(jvp())/while"
+    accumulator = _region("broadcast.7", leaf, 2, 9, back, ["broadcast.7", "arg_tuple.1{2}", "fusion.9", "while.4{2}"],
+                          [back, "", back + "/body/dot_general", back])
+    shared = _region("broadcast.8", leaf, 1, 9, back, ["broadcast.8", "fusion.10"], [back, "jit(f)/jvp()/dot_general"])
+    regions = [accumulator, shared, _region("fusion.5", leaf, 5, 9, "jit(f)/transpose(jvp())/dot_general")]
+    got = buffers.checkpoints_at_peak(regions, 10, [(N,)])
+    assert got["backward_start"] == 5 and got["checkpoint_live_bytes"] == 4 * N, got
+    assert not buffers.written_forward(accumulator) and buffers.written_forward(shared)
