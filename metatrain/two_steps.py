@@ -32,10 +32,10 @@ def applies(method, n_steps: int) -> bool:
             and not method.unroll and not method.checkpoint_dtype)
 
 
-def run(task: Task) -> Callable:
+def run(task: Task, inner_loss: Callable) -> Callable:
     """`f(carry, batches, meta, frozen, outer_batch) -> (V, inner_losses [2], (θ_2, υ_2))`, carry = (θ_0, υ_0),
-    batches with a leading [2] axis; `frozen` the LoRA base weights (None without LoRA; no cotangent)."""
-    inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
+    batches with a leading [2] axis; `frozen` the LoRA base weights (None without LoRA; no cotangent), passed to
+    `inner_loss(theta, meta, batch, frozen)` as in `unroll.stored_step`."""
     outer = lambda theta, meta, batch, frozen: task.with_frozen(frozen).outer_loss(theta, meta, batch)
     plain = jax.value_and_grad(inner_loss)
     hvp = mixflow.backward(inner_loss, "mixflow", frozen_argnums=(2,))

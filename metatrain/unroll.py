@@ -109,7 +109,7 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
     def f(meta, inner, batches, outer_batch):
         start = task.inner_start(meta, inner)
         if two_steps.applies(method, jax.tree.leaves(batches)[0].shape[0]):
-            value, inner_losses, final = two_steps.run(task)(start, batches, meta, task.frozen, outer_batch)
+            value, inner_losses, final = two_steps.run(task, inner_loss)(start, batches, meta, task.frozen, outer_batch)
             return value, OuterAux(final, inner_losses)
         final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
                                        method.inner_checkpoint, method.unroll, method.peel)

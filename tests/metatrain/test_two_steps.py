@@ -36,7 +36,7 @@ def test_applies(method, n, applies):
 def test_all_outputs_differentiate_as_autodiff(task_name, monkeypatch):
     calls = []
     run = two_steps.run
-    monkeypatch.setattr(two_steps, "run", lambda task: calls.append(task) or run(task))
+    monkeypatch.setattr(two_steps, "run", lambda *args: calls.append(args) or run(*args))
     with jax.enable_x64(True):
         model = preset("tiny").replace(param_dtype="float64", compute_dtype="")
         task = build_task(task_name, model, remat=True)
