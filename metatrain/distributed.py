@@ -9,6 +9,11 @@ connects them. Call `initialize` before anything touches a device.
 
 A process that stops sending heartbeats for `heartbeat_timeout` seconds is declared dead by the
 coordinator and the others are stopped with an error, so a crash never leaves a job hanging.
+
+On CPU (XLA's Gloo collectives: the local launcher, tests) a multi-process job compiles every program itself:
+JAX's persistent compilation cache is turned off there, because programs loaded from it sometimes run their
+collectives in a different order on each process (Gloo then stops the job: "Received data size doesn't match
+expected size"), where freshly compiled ones agree.
 """
 
 from __future__ import annotations
@@ -61,12 +66,23 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             return "single process"
         jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout,
                                    heartbeat_timeout_seconds=heartbeat_timeout)
-        return f"process {process_id} of {num_processes} (coordinator {coordinator})"
+        return f"process {process_id} of {num_processes} (coordinator {coordinator})" + _no_cpu_cache()
     where = _detected()
     if where is None:
         return "single process"
     jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout)
-    return f"process {jax.process_index()} of {jax.process_count()} ({where})"
+    return f"process {jax.process_index()} of {jax.process_count()} ({where})" + _no_cpu_cache()
+
+
+def _no_cpu_cache() -> str:
+    """Turn JAX's persistent compilation cache off in a multi-process CPU job (see the module docstring); the
+    words to add to the line `initialize` returns."""
+    import jax
+
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_enable_compilation_cache:
+        return ""
+    jax.config.update("jax_enable_compilation_cache", False)
+    return ", compilation cache off on CPU"
 
 
 def barrier(name: str, timeout: int = 1800) -> None:
