@@ -64,5 +64,5 @@ class Pretrainer(Trainer):
     def _load_pretrained(self, path: str):
         raise ConfigError("inner.init_from is for meta-training; pretrain continues a run by resuming its work dir")
 
-    def _theta(self, which: str = "inner"):
-        return self.state["params"]
+    def _evaluated(self, which: str = "inner"):
+        return self.state["params"], None

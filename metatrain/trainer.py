@@ -84,9 +84,11 @@ class Trainer:
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         self._replicated = replicated(self.mesh)
-        self._eval_loss = jax.jit(lambda theta, frozen, b:
-                                  self.task.with_frozen(frozen).example_losses(theta, b).mean(),
-                                  out_shardings=self._replicated)
+        # the validation loss is the task's outer loss V(θ, η, x) on held-out batches (for the built-in tasks the mean
+        # next-token loss); a task that brings its own model defines no next-token loss of its own
+        self._eval_loss = jax.jit(
+            lambda theta, meta, frozen, b: self.task.with_frozen(frozen).outer_loss(theta, meta, b),
+            out_shardings=self._replicated)
         # processes finish compiling at different times; Orbax's first sync is a Gloo collective (30 s to join)
         distributed.barrier("compiled")
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
@@ -152,15 +154,18 @@ class Trainer:
                 to_global(outer, self._outer_sharding, DEVICE_FEATURES))
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _theta(self, which: str = "inner"):
+    def _evaluated(self, which: str = "inner"):
+        """(θ, η) of the inner model (`inner`) or of the uniform baseline (`base`), on the device."""
         part = self.state if which == "inner" else self.state["base"]
-        return step_lib.on_device(part["meta"]) if part["inner"] is None else part["inner"][0]
+        meta = step_lib.on_device(part["meta"])
+        return (meta if part["inner"] is None else part["inner"][0]), meta
 
     def validation_loss(self, which: str = "inner") -> float:
-        """Mean next-token loss of the inner model on held-out test documents (cfg.eval_batches batches).
-        For tasks that restart from η (MAML) the inner model is η itself."""
-        theta, frozen = self._theta(which), self.state.get("frozen")
-        return float(np.mean([self._eval_loss(theta, frozen, b) for b in self._test_batches()]))
+        """The task's outer loss (the built-in tasks: mean next-token loss) of the inner model on held-out test
+        documents (cfg.eval_batches batches). For tasks that restart from η (MAML) the inner model is η itself."""
+        theta, meta = self._evaluated(which)
+        frozen = self.state.get("frozen")
+        return float(np.mean([self._eval_loss(theta, meta, frozen, b) for b in self._test_batches()]))
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import traceback
 
+from metatrain.errors import MetatrainError
 from metatrain.tasks.base import Task, TaskError, validate
 from metatrain.tasks.learned_lr import LearnedLR
 from metatrain.tasks.loss_weighting import LossWeighting
@@ -40,9 +42,27 @@ def task_class(name: str) -> type[Task]:
     return cls
 
 
+def accepted(cls: type, kwargs: dict) -> dict:
+    """The keyword arguments that `cls.__init__` takes (all of them when it takes **kwargs): a task that brings
+    its own model may take no model config at all."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
 def make_task(name: str, **kwargs) -> Task:
-    """Builds a task: `make_task("maml", model=cfg, inner_lr=1e-3)`."""
-    task = task_class(name)(**kwargs)
+    """Builds a task: `make_task("maml", model=cfg, inner_lr=1e-3)`. A task's `__init__` gets those of the
+    arguments it names."""
+    cls = task_class(name)
+    try:
+        task = cls(**accepted(cls, kwargs))
+    except MetatrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 — the user's constructor failed: name the task and the reason
+        raise TaskError(f"task {name!r}: {cls.__name__}(...) raised {type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}") from None
     if "name" not in vars(type(task)):  # a subclass that did not name itself is called as it was loaded
         task.name = name
     return task

@@ -56,6 +56,12 @@ class Task:
     # True: every outer step starts from η (MAML), so the Trainer keeps no inner state between steps and
     # `inner_start` gets `inner=None`. False: the inner state (θ, υ) is carried from step to step.
     resets_inner: bool = False
+    # What `__init__` sets, with class-level defaults, so a task that brings its own model (and an `__init__` that
+    # does not call this one) still has them: no transformer, no LoRA, no bound base weights.
+    model: ModelConfig | None = None
+    meta_model: ModelConfig | None = None
+    lora: LoRAConfig | None = None
+    frozen: Pytree = None
 
     def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None,
                  lora: LoRAConfig | None = None):

@@ -1,9 +1,11 @@
 """Tasks the tests run by import path (`task=custom_tasks:Name`, also in subprocesses: helpers.env puts this
 folder on PYTHONPATH)."""
 
+import jax
 import jax.numpy as jnp
+import optax
 
-from metatrain.tasks import LossWeighting
+from metatrain.tasks import LossWeighting, Task
 
 
 class NaNAfterSix(LossWeighting):
@@ -19,3 +21,36 @@ class NaNAfterSix(LossWeighting):
 
     def outer_loss(self, theta, meta, batch):
         return super().outer_loss(theta, meta, batch) - 1e6 * meta["clock"]
+
+
+class OwnModel(Task):
+    """A task that brings its own model and an `__init__` that takes no model config (and does not call
+    `Task.__init__`): logistic regression of the last token's parity on token-bucket frequencies. η = log of the
+    inner loss's L2 coefficient."""
+
+    buckets = 16
+
+    def __init__(self):
+        self.opt = optax.adam(0.05, eps_root=1e-8)
+
+    def init_meta(self, key):
+        return {"log_decay": jnp.full((), -2.0)}
+
+    def init_inner(self, key, meta):
+        theta = {"w": 0.1 * jax.random.normal(key, (self.buckets,)), "b": jnp.zeros(())}
+        return theta, self.opt.init(theta)
+
+    def _losses(self, theta, batch):
+        tokens = batch["tokens"]
+        x = jax.nn.one_hot(tokens[:, :-1] % self.buckets, self.buckets).mean(1)
+        return optax.sigmoid_binary_cross_entropy(x @ theta["w"] + theta["b"], (tokens[:, -1] % 2).astype(x.dtype))
+
+    def inner_loss(self, theta, meta, batch):
+        return self._losses(theta, batch).mean() + jnp.exp(meta["log_decay"]) * jnp.sum(theta["w"] ** 2)
+
+    def update(self, grads, theta, opt_state, meta):
+        updates, opt_state = self.opt.update(grads, opt_state, theta)
+        return optax.apply_updates(theta, updates), opt_state
+
+    def outer_loss(self, theta, meta, batch):
+        return self._losses(theta, batch).mean()

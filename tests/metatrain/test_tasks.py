@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import TINY, metatrain, one_line_error
 
 from metatrain import checkgrads, models, step
 from metatrain.bench.variants import parse_variant
@@ -120,3 +121,21 @@ def test_broken_contract_names_task_and_problem(cls, message):
 def test_bad_task_names(name, message):
     with pytest.raises(TaskError, match=message):
         task_class(name)
+
+
+@pytest.mark.slow
+def test_a_task_that_brings_its_own_model_trains_checks_and_compiles(tmp_path):
+    """`custom_tasks:OwnModel` has no transformer and an `__init__` of its own that takes no model config: the
+    engine reads none of the attributes `Task.__init__` sets. Each command as a user runs it, in a subprocess."""
+    task = "task=custom_tasks:OwnModel"
+    res = metatrain("train", *TINY, task, "steps=2", "baseline=uniform", f"workdir={tmp_path / 'run'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    start, end = (float(x) for x in res.stdout.split("\nvalidation loss: ")[-1].split()[:3:2])
+    assert 0.3 < start < 1.5 and 0.3 < end < 1.5  # binary cross-entropy of the task's own model, not a token loss
+    res = metatrain("check-grads", "--task", "custom_tasks:OwnModel", "--variants", "mixflow+remat+save,revfwd")
+    assert res.returncode == 0 and "all 3 variants within tolerance" in res.stdout, res.stdout + res.stderr[-3000:]
+    res = metatrain("compile", "--task", "custom_tasks:OwnModel", "--model", "tiny", "--batch", "2", "--seq-len", "16")
+    assert res.returncode == 0 and "per-device memory" in res.stdout, res.stderr[-3000:]
+    res = metatrain("eval", tmp_path / "run")
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_line_error(res.stderr, "brings its own model, not a language model")
