@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from metatrain import paths
 from metatrain.data.pipeline import DataConfig
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, TaskError
@@ -276,6 +277,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
+    cfg = local_paths(cfg)
     given = {override_key(o) for o in overrides}
     if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
         # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
@@ -283,6 +285,20 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
     if not pretrained:
         return dataclasses.replace(validate(dataclasses.replace(cfg, inner=InnerConfig())), inner=cfg.inner)
     return follow_pretrained(validate(cfg), tokenizer_given)
+
+
+def local_paths(cfg: Config) -> Config:
+    """`cfg` with every path it names (work dir, checkpoints to start from, data sources, tokenizer dir, TFDS data
+    dir) made absolute, `~` expanded: the run reads the same files from wherever it is started."""
+    d = cfg.data
+    data = dataclasses.replace(d, source=paths.prefixed(d.source, USER_SOURCES),
+                               outer_source=paths.prefixed(d.outer_source, USER_SOURCES),
+                               tokenizer=paths.prefixed(d.tokenizer, (HF_PREFIX,)), data_dir=paths.local(d.data_dir))
+    return dataclasses.replace(
+        cfg, workdir=paths.local(cfg.workdir), data=data,
+        inner=dataclasses.replace(cfg.inner, init_from=paths.prefixed(cfg.inner.init_from, (HF_PREFIX,), bare=True)),
+        meta_model=dataclasses.replace(cfg.meta_model, init_from=paths.prefixed(cfg.meta_model.init_from,
+                                                                                (HF_PREFIX,), bare=True)))
 
 
 def to_yaml(cfg: Config) -> str:

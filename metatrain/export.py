@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from metatrain import config as config_lib
-from metatrain import hf
+from metatrain import hf, paths
 from metatrain import workdir as workdir_lib
 from metatrain.checkpoints import first_layout_difference
 from metatrain.data.tokenizer import HF_PREFIX
@@ -194,6 +194,7 @@ def read_source(src: str, what: str | None = None, adapters: bool = False) -> Ex
     """The parameters of a run's work dir (`what`: inner | meta | baseline) or of an export / import dir."""
     if what is not None and what not in WHATS:
         raise ConfigError(f"export --what: {what!r} is not one of {WHATS}")
+    src = paths.local(src)
     if os.path.isfile(os.path.join(src, "export.json")):
         if adapters:
             raise ConfigError(f"export --adapters: {src} is an export dir; give the LoRA run's work dir")
@@ -211,9 +212,10 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
     if adapters and fmt != "orbax":
         raise ConfigError("export --adapters: adapters alone are written as --format orbax; --format hf merges them")
+    src = paths.local(src)
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
-    out = os.path.abspath(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
+    out = paths.local(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
     if fmt == "hf":
         if exported.model is None:
             raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
@@ -238,14 +240,14 @@ def import_hf(directory: str, out: str) -> tuple[str, ModelConfig]:
 
     from metatrain import models
 
+    directory, out = paths.local(directory), paths.local(out)
     cfg, params = hf.read(directory)
     _, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, params)
-    out = os.path.abspath(out)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(out, "params"), state, force=True)
     with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"kind": "import", "what": "inner", "source": os.path.abspath(directory),
+        json.dump({"kind": "import", "what": "inner", "source": directory,
                    "model": dataclasses.asdict(cfg), "hf_config": hf.read_config(directory)}, f, indent=1)
     hf.copy_tokenizer(directory, out)
     return out, cfg
@@ -254,6 +256,7 @@ def import_hf(directory: str, out: str) -> tuple[str, ModelConfig]:
 def load_params(path: str, target, field: str = "inner.init_from"):
     """Pretrained parameters from a `metatrain pretrain` work dir (its latest checkpoint) or an export
     directory, or a Hugging Face model dir (`hf:DIR`), restored onto `target` (ShapeDtypeStructs with shardings)."""
+    path = paths.prefixed(path, (HF_PREFIX,), bare=True)
     if path.startswith(HF_PREFIX):
         from flax import nnx
 

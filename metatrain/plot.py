@@ -14,6 +14,7 @@ import os
 import matplotlib
 import numpy as np
 
+from metatrain import paths
 from metatrain.errors import DataError
 
 matplotlib.use("Agg")
@@ -49,6 +50,7 @@ def _series(rows: list[dict], key: str):
 
 
 def plot_runs(workdirs: list[str], out: str | None = None) -> str:
+    workdirs, out = [paths.local(w) for w in workdirs], paths.local(out)
     runs = {os.path.basename(os.path.normpath(w)) or w: _read(w) for w in workdirs}
     several = len(runs) > 1
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))

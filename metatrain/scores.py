@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from metatrain import config as config_lib
 from metatrain import export as export_lib
+from metatrain import paths
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
@@ -54,6 +55,7 @@ class Run:
 
 
 def open_run(workdir: str) -> Run:
+    workdir = paths.local(workdir)
     state_dir, step, saved = export_lib._latest_state(workdir)
     text = config_lib.read_text(workdir_lib.config_path(workdir))
     if text is None or "params" in saved:
@@ -126,6 +128,7 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
     the run's data.source). Returns (the path, the number of documents)."""
     run = open_run(workdir)
+    source, out = paths.prefixed(source, config_lib.USER_SOURCES), paths.local(out)
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
@@ -134,7 +137,7 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     fn = jax.jit(run.task.scores)
     values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), tok, run.cfg, max_rows, "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
-    out = out or f"{workdir.rstrip('/')}/scores.jsonl"
+    out = out or f"{paths.local(workdir).rstrip('/')}/scores.jsonl"
     with open(out, "w") as f:
         for i in range(len(docs)):
             score = float(values[i]) if np.isfinite(values[i]) else None  # an empty document has no score
@@ -148,6 +151,10 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     documents (the held-out share of data.outer_source, or of data.source)."""
     run = open_run(workdir)
     cfg = run.cfg
+    if run.task.model is None:
+        raise ConfigError(f"eval: task {cfg.task!r} of {workdir} brings its own model, not a language model; eval "
+                          "measures next-token loss (the run's validation loss is in its metrics.jsonl)")
+    source = paths.prefixed(source, config_lib.USER_SOURCES)
     if source:
         docs = document_source(cfg.data, source)
         ids = np.arange(len(docs))

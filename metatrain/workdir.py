@@ -17,6 +17,7 @@ import time
 from metatrain import config as config_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError, TrainingError
+from metatrain.paths import is_remote
 
 # Fields a resumed run may change: how long and how it runs, not what it computes or what its state holds.
 RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps",
@@ -25,11 +26,6 @@ RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoi
              "inner.init_from", "data.data_dir", "meta_opt.lr", "meta_opt.clip_norm", "meta_opt.eps",
              "meta_opt.weight_decay", "meta_opt.offload", "meta_opt.offload_params")
 RESUMABLE_GROUPS = ("mesh.", "log.")
-
-
-def is_remote(path: str) -> bool:
-    """gs://... and other URL-style paths (read and written through etils.epath, as Orbax does)."""
-    return "://" in path
 
 
 def config_path(workdir: str) -> str:

@@ -9,17 +9,21 @@ from metatrain.cli import common
 
 
 def _data_config(args, **overrides):
+    from metatrain import paths
+    from metatrain.config import USER_SOURCES
     from metatrain.data.pipeline import DataConfig
 
     vocab = None if args.vocab_size == 0 else args.vocab_size
-    return DataConfig(source=args.source, data_dir=args.data_dir, split=args.split, tokenizer=args.tokenizer,
+    return DataConfig(source=paths.prefixed(args.source, USER_SOURCES), data_dir=paths.local(args.data_dir),
+                      split=args.split, tokenizer=args.tokenizer,
                       vocab_size=vocab, **overrides)
 
 
 def cmd_data_build(args) -> int:
+    from metatrain import paths
     from metatrain.data.tfds_source import build_text_dataset
 
-    path, stats = build_text_dataset(args.input, args.name, args.data_dir, overwrite=args.overwrite)
+    path, stats = build_text_dataset(args.input, args.name, paths.local(args.data_dir), overwrite=args.overwrite)
     print(f"built {args.name!r} from {stats.files} file(s) at {path} "
           f"({stats.replaced_chars} undecodable byte(s) replaced); use it with data.source=tfds:{args.name}")
     return 0

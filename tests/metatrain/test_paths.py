@@ -1,0 +1,48 @@
+"""Paths as users give them: relative to where the command runs, or under `~`. Every path a run config names is
+made absolute once, where it is loaded, and the commands that take paths accept relative ones."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+from helpers import leaves, saved_state
+
+from metatrain import cli, config, models, paths
+from metatrain.export import load_params
+
+
+def test_a_run_config_names_every_path_absolutely(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for d in ("base", "home/scorer", "docs", "home/tok"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "home/scorer/export.json").write_text(json.dumps({"model": dataclasses.asdict(models.preset("tiny"))}))
+    cfg = config.load("default", ["workdir=runs/x", "inner.init_from=base", "meta_model.init_from=~/scorer",
+                                  "data.source=jsonl:docs/*.jsonl", "data.outer_source=dir:~/trusted",
+                                  "data.tokenizer=hf:~/tok", "data.data_dir=tfds"], pretrained=False)
+    assert cfg.workdir == str(tmp_path / "runs" / "x")
+    assert cfg.inner.init_from == str(tmp_path / "base")
+    assert cfg.meta_model.init_from == str(tmp_path / "home" / "scorer")
+    assert cfg.data.source == f"jsonl:{tmp_path}/docs/*.jsonl"
+    assert cfg.data.outer_source == f"dir:{tmp_path}/home/trusted"
+    assert cfg.data.tokenizer == f"hf:{tmp_path}/home/tok"
+    assert cfg.data.data_dir == str(tmp_path / "tfds")
+    # what is not a local path stays as it is
+    cfg = config.load("default", ["inner.init_from=hf:base", "workdir=gs://bucket/run"], pretrained=False)
+    assert cfg.inner.init_from == f"hf:{tmp_path}/base" and cfg.workdir == "gs://bucket/run"
+    assert cfg.data.source == "builtin" and cfg.data.tokenizer == config.Config().data.tokenizer
+    assert paths.local("") == "" and paths.local(None) is None
+
+
+def test_an_export_dir_given_relative_is_read(shared_run, tmp_path, monkeypatch):
+    """The break users hit: `metatrain export RUN --out base` then `inner.init_from=base` read the relative export
+    dir through Orbax's metadata(), which returned no tree for a relative path (AttributeError)."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink(shared_run["workdir"], "run")
+    assert cli.main(["export", "run", "--what", "inner", "--out", "base"]) == 0
+    theta = saved_state(shared_run["workdir"], 4)["inner"][0]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), theta)
+    for x, y in zip(leaves(load_params("base", target)), leaves(theta)):
+        np.testing.assert_array_equal(x, y)
