@@ -9,10 +9,10 @@ before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import math
 import os
-from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -27,7 +27,6 @@ from metatrain.tasks import task_class
 from metatrain.unroll import INNER_CHECKPOINTS, NARROW_NEEDS_SAVE
 
 USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 AUTO = "auto"
 
 
@@ -118,6 +117,12 @@ class Config:
 
 
 CHECKPOINT_DTYPES = ("", "float32", "bfloat16")
+
+
+def presets() -> dict[str, str]:
+    """{name: YAML text} of the presets shipped in the package (`configs/*.yaml`, installed as `metatrain.configs`)."""
+    files = importlib.resources.files("metatrain.configs")
+    return {f.name.rsplit(".", 1)[0]: f.read_text() for f in files.iterdir() if f.name.endswith(".yaml")}
 
 
 def _check(cond: bool, field: str, message: str):
@@ -257,11 +262,10 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
     try:
         merged = OmegaConf.structured(Config)
         if preset:
-            path = preset if preset.endswith((".yaml", ".yml")) else str(CONFIG_DIR / f"{preset}.yaml")
-            text = read_text(path)
+            text = read_text(preset) if preset.endswith((".yaml", ".yml")) else presets().get(preset)
             if text is None:
-                names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-                raise ConfigError(f"preset: no config {preset!r}; choose one of {names} or give a .yaml path")
+                raise ConfigError(f"preset: no config {preset!r}; choose one of {sorted(presets())} or give a .yaml "
+                                  "path")
             preset_cfg = OmegaConf.create(text)
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             merged = OmegaConf.merge(merged, preset_cfg)

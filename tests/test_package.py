@@ -13,7 +13,7 @@ from helpers import TINY, env
 ROOT = Path(__file__).resolve().parent.parent
 # the source folders and the names they are installed under (pyproject.toml's package-dir)
 PACKAGES = {"metatrain": "metatrain", "models": "metatrain.models", "data": "metatrain.data",
-            "launch": "metatrain.launch"}
+            "launch": "metatrain.launch", "configs": "metatrain.configs"}
 ENGINE_AND_RUN_STACK = ("metatrain.mixflow", "metatrain.unroll", "metatrain.tasks", "metatrain.config",
                         "metatrain.sharding", "metatrain.step", "metatrain.trainer", "metatrain.pretrain",
                         "metatrain.export", "metatrain.distributed", "metatrain.checkpoints", "metatrain.workdir",

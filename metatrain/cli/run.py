@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from metatrain.config import CONFIG_DIR
+from metatrain.config import presets
 from metatrain.export import FORMATS, WHATS
 
 
@@ -125,9 +125,9 @@ def _add_distributed_args(p: argparse.ArgumentParser):
 
 
 def register(sub) -> None:
-    presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    names = ", ".join(sorted(presets()))
     p = sub.add_parser("train", help="meta-training; no arguments: the built-in default job")
-    p.add_argument("overrides", nargs="*", help=f"[PRESET] key=value ... (presets: {presets}; or a .yaml path)")
+    p.add_argument("overrides", nargs="*", help=f"[PRESET] key=value ... (presets: {names}; or a .yaml path)")
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     p.add_argument("--baseline", choices=["none", "uniform"], default=None,
                    help="also train with η frozen (loss weighting: exactly uniform weights) on the same data")

@@ -1,0 +1,1 @@
+"""The run presets (`metatrain train PRESET`), installed as package data of `metatrain.configs`."""
