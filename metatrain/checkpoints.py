@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import sys
 
@@ -44,6 +46,31 @@ def first_layout_difference(saved, target) -> str | None:
 
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+# What a failed read of a damaged checkpoint leaves behind: TensorStore's other reads of it fail too, or finish after
+# Orbax closed the event loop they report to. Their errors surface one by one, as asyncio's "exception was never
+# retrieved" log records and through `sys.unraisablehook`, a traceback each. The failure is reported once, in one line.
+_FAILED_READ = ("Encountered error while reading", "Event loop is closed")
+
+
+def _from_failed_read(e: BaseException | None) -> bool:
+    return e is not None and str(e).startswith(_FAILED_READ)
+
+
+class _FailedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _from_failed_read(record.exc_info[1]))
+
+
+def _silence_failed_reads() -> None:
+    """From the first failed read on, the stray errors of the other reads (`_FAILED_READ`) are dropped; other
+    unraisable exceptions and asyncio records go where they went. Those already pending are collected now."""
+    if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger("asyncio").filters):
+        logging.getLogger("asyncio").addFilter(_FailedReadFilter())
+        previous = sys.unraisablehook
+        sys.unraisablehook = lambda u: None if _from_failed_read(u.exc_value) else previous(u)
+    gc.collect()
 
 
 class Checkpoints:
@@ -80,6 +107,7 @@ class Checkpoints:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(state_target), **other_items))
             except Exception as e:  # noqa: BLE001
+                _silence_failed_reads()
                 damaged.append((step, _first_line(e)))
                 continue
             self._set_aside(damaged, log)
