@@ -8,9 +8,17 @@ import sys
 import time
 
 import pytest
-from helpers import TINY, assert_same_params, env, saved_state
+from helpers import (
+    FLOAT64,
+    FLOAT64_ENV,
+    TINY,
+    assert_same_first_meta_gradient,
+    assert_same_float64,
+    env,
+    metatrain,
+    saved_float64_state,
+)
 
-from metatrain import cli
 from metatrain.launch import local
 
 pytestmark = pytest.mark.slow
@@ -18,13 +26,13 @@ MULTI = [*TINY, "mesh.fsdp=2", "data.shards=2"]
 
 
 @contextlib.contextmanager
-def two_processes(command: list[str]):
+def two_processes(command: list[str], extra_env: dict | None = None):
     """`python COMMAND` as processes 0 and 1 of one job (2 CPU devices each), stderr captured as text; whichever is
     still running on the way out is killed."""
     port = local.free_port()
     procs = [subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=env(2, METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES="2",
-                                      METATRAIN_PROCESS_ID=str(i)))
+                                      METATRAIN_PROCESS_ID=str(i), **(extra_env or {})))
              for i in range(2)]
     try:
         yield procs
@@ -32,39 +40,6 @@ def two_processes(command: list[str]):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-
-
-def test_two_processes_match_one_and_resume(tmp_path):
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=2"], processes=2, devices=2) == 0
-    # a new 2-process job continues from the checkpoint the first one wrote
-    assert local.launch(["train", *MULTI, f"workdir={multi}", "steps=4", "--resume"], processes=2, devices=2) == 0
-    # the same run, uninterrupted, on this process's one device: the same logical data shards, one mesh axis
-    assert cli.main(["train", *MULTI, "mesh.fsdp=1", f"workdir={single}", "steps=4", "checkpoint_every=2"]) == 0
-    for step in (2, 4):
-        a, b = saved_state(single, step), saved_state(multi, step)
-        for key in ("meta", "inner", "base"):
-            assert_same_params(a[key], b[key])
-
-
-def test_a_dead_process_stops_the_others(tmp_path):
-    """Process 1 is SIGKILLed mid-run; process 0 must exit with an error, not hang."""
-    workdir = tmp_path / "run"
-    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
-    with two_processes(["-m", "metatrain.cli", "train", *MULTI, "mesh.fsdp=1", f"workdir={workdir}", "steps=100000",
-                        "checkpoint_every=0", "--heartbeat-timeout", "10"]) as procs:
-        while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started
-            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
-            assert time.time() < deadline, "no step within 300 s"
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        procs[0].wait(timeout=120)  # heartbeat timeout 10 s, plus slack for a loaded machine
-        waited = time.time() - killed_at
-        err = procs[0].stderr.read()
-        assert procs[0].returncode != 0
-        assert "another task died" in err or "unhealthy" in err, err[-3000:]
-        assert waited < 120
 
 
 LATE_PEER = """
@@ -85,12 +60,46 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_a_peer_compiling_40s_longer_joins_the_first_collective(tmp_path):
-    """Orbax's first sync after compiling is a Gloo collective, whose setup gives up after 30 s: the Trainer's
-    barrier after compiling lets a late peer join (without it this run fails: "Gloo context initialization
-    failed", then hangs until the shutdown barrier times out)."""
-    workdir = tmp_path / "run"
-    with two_processes(["-c", LATE_PEER, "train", *MULTI, f"workdir={workdir}", "steps=2"]) as procs:
+def test_two_processes_match_one_and_resume(tmp_path, monkeypatch):
+    """Float64 runs (the same numbers up to the order of float64 reductions, on any machine): a 2-process job whose
+    process 1 compiles 40 s longer (`LATE_PEER`), continued by a second 2-process job from the first one's
+    checkpoint, against the same run on one device. Orbax's first sync after compiling is a Gloo collective, whose
+    setup gives up after 30 s: the Trainer's barrier after compiling lets the late peer join (without it the job
+    fails: "Gloo context initialization failed", then hangs until the shutdown barrier times out)."""
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    run = [*MULTI, *FLOAT64, f"workdir={multi}"]
+    with two_processes(["-c", LATE_PEER, "train", *run, "steps=2"], FLOAT64_ENV) as procs:
         errs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
-    assert (workdir / "checkpoints" / "2").is_dir()
+    # a new 2-process job continues from the checkpoint the first one wrote
+    monkeypatch.setenv("JAX_ENABLE_X64", "1")
+    assert local.launch(["train", *run, "steps=4", "--resume"], processes=2, devices=2) == 0
+    # the same run, uninterrupted, on one device: the same logical data shards, one mesh axis
+    res = metatrain("train", *MULTI, *FLOAT64, "mesh.fsdp=1", f"workdir={single}", "steps=4", "checkpoint_every=2",
+                    extra_env=FLOAT64_ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_first_meta_gradient(single, multi)
+    for step in (2, 4):
+        a, b = saved_float64_state(single, step), saved_float64_state(multi, step)
+        for key in ("meta", "inner", "base"):
+            assert_same_float64(a[key], b[key], f"step {step}, {key}")
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """Process 1 is SIGKILLed mid-run; process 0 must exit with an error, not hang."""
+    workdir = tmp_path / "run"
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    with two_processes(["-m", "metatrain.cli", "train", *MULTI, "mesh.fsdp=1", f"workdir={workdir}", "steps=100000",
+                        "checkpoint_every=0", "--heartbeat-timeout", "10"]) as procs:
+        while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+            assert time.time() < deadline, "no step within 300 s"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs[0].wait(timeout=120)  # heartbeat timeout 10 s, plus slack for a loaded machine
+        waited = time.time() - killed_at
+        err = procs[0].stderr.read()
+        assert procs[0].returncode != 0
+        assert "another task died" in err or "unhealthy" in err, err[-3000:]
+        assert waited < 120

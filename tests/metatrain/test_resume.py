@@ -8,7 +8,19 @@ import jax
 import numpy as np
 import pytest
 from conftest import SHARED_RUN
-from helpers import TINY, assert_same_params, checkpoints, leaves, metatrain, saved_state, train
+from helpers import (
+    FLOAT64,
+    FLOAT64_ENV,
+    TINY,
+    assert_same_first_meta_gradient,
+    assert_same_float64,
+    checkpoints,
+    leaves,
+    metatrain,
+    saved_float64_state,
+    saved_state,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log nowhere else
@@ -42,18 +54,24 @@ def test_exact_resume_after_sigkill_of_a_lora_run(tmp_path):
             np.testing.assert_array_equal(x, y)  # bit-identical
 
 
-def test_eight_devices_agree_with_one_and_restore_onto_one(shared_run, tmp_path):
-    """The shared run (1 device) against the same run on 8 devices (mesh 4x2), and against a run whose step-2
-    checkpoint, written on 8 devices, is resumed on 1."""
-    eight, moved = tmp_path / "eight", tmp_path / "moved"
-    out = metatrain("train", *SHARED_RUN, f"workdir={eight}", "mesh.fsdp=2", NO_WANDB, devices=8)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
+    """A float64 run on 1 device against the same run on 8 devices (mesh 4x2), and against a run whose step-2
+    checkpoint, written on 8 devices, is resumed on 1: the same numbers up to the order of float64 reductions
+    (`assert_same_float64`), on any machine."""
+    one, eight, moved = tmp_path / "one", tmp_path / "eight", tmp_path / "moved"
+    run = [*SHARED_RUN, *FLOAT64, NO_WANDB]
+    for workdir, devices, extra in ((one, 1, ()), (eight, 8, ("mesh.fsdp=2",))):
+        out = metatrain("train", *run, f"workdir={workdir}", *extra, devices=devices, extra_env=FLOAT64_ENV)
+        assert out.returncode == 0, out.stderr[-3000:]
     assert "4x2 (data x fsdp) devices" in out.stdout
-    one = saved_state(shared_run["workdir"], 4)
+    assert_same_first_meta_gradient(one, eight)
+    reference = saved_float64_state(one, 4)
     for key in ("meta", "inner", "base"):
-        assert_same_params(one[key], saved_state(eight, 4)[key])
+        assert_same_float64(reference[key], saved_float64_state(eight, 4)[key], f"8 devices, {key}")
     shutil.copytree(eight, moved)
     shutil.rmtree(moved / "checkpoints" / "4")
-    train(moved, "steps=4", "mesh.fsdp=1", NO_WANDB, resume=True)  # the saved config says fsdp=2
+    res = metatrain("train", *TINY, *FLOAT64, f"workdir={moved}", "steps=4", "mesh.fsdp=1", NO_WANDB, "--resume",
+                    extra_env=FLOAT64_ENV)  # the saved config says fsdp=2
+    assert res.returncode == 0 and "from step 2" in res.stdout, res.stderr[-3000:]
     for key in ("meta", "inner", "base"):
-        assert_same_params(one[key], saved_state(moved, 4)[key])
+        assert_same_float64(reference[key], saved_float64_state(moved, 4)[key], f"8 devices -> 1, {key}")
