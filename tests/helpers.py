@@ -121,3 +121,44 @@ def one_line_error(err: str, *needles: str) -> None:
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+# ---- tiny Hugging Face checkpoints, made with transformers (the `hf` test extra) ----------------------------------
+HF_VOCAB = 320  # the model's vocabulary: larger than the tokenizer's 300, as in real checkpoints
+HF_TEXT = [f"document {i}: the {w} quick brown fox jumps over the lazy dog, {i * 7 % 13} times; résumé"
+           for i, w in enumerate(["red", "green", "blue", "small", "large", "old", "new"] * 20)]
+
+
+def hf_tokenizer(directory) -> int:
+    """A byte-level BPE of 300 tokens trained on HF_TEXT, saved in `directory`; returns its EOS id."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(HF_TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(directory)
+    return tok.token_to_id("<|endoftext|>")
+
+
+def make_hf_checkpoint(directory, kind: str = "llama", options: dict | None = None, seed: int = 0):
+    """A tiny random `llama` or `qwen2` model (3 layers, d=64, noise on every weight) with its tokenizer, saved in
+    `directory` as transformers saves it; returns the transformers model."""
+    import torch
+    import transformers
+
+    eos = hf_tokenizer(directory)
+    common = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                  vocab_size=HF_VOCAB, eos_token_id=eos, bos_token_id=eos, rms_norm_eps=1e-5)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **(options or {})))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, **(options or {})))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model

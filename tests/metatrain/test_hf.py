@@ -10,16 +10,14 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import one_line_error
+from helpers import HF_VOCAB as VOCAB  # noqa: N811
+from helpers import make_hf_checkpoint, one_line_error
 
 from metatrain import cli, hf
 
 torch = pytest.importorskip("torch", reason="the hf test extra (pip install -e '.[hf]') is not installed")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320  # the model's vocabulary: larger than the tokenizer's 300, as in real checkpoints
-TEXT = [f"document {i}: the {w} quick brown fox jumps over the lazy dog, {i * 7 % 13} times; résumé"
-        for i, w in enumerate(["red", "green", "blue", "small", "large", "old", "new"] * 20)]
 CHECKPOINTS = {
     "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500_000.0,
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -28,34 +26,6 @@ CHECKPOINTS = {
     "llama-tied-mha": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen2-bias-gqa": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0)),
 }
-
-
-def _tokenizer(directory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(directory)
-    return tok.token_to_id("<|endoftext|>")
-
-
-def _make(directory, kind, options, seed):
-    eos = _tokenizer(directory)
-    common = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                  vocab_size=VOCAB, eos_token_id=eos, bos_token_id=eos, rms_norm_eps=1e-5)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **options))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, **options))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    return model
 
 
 def _logits(model, tokens):
@@ -70,7 +40,7 @@ def checkpoints(tmp_path_factory):
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
     out = {}
     for seed, (name, (kind, options)) in enumerate(CHECKPOINTS.items()):
-        model = _make(str(root / name), kind, options, seed)
+        model = make_hf_checkpoint(str(root / name), kind, options, seed)
         out[name] = (root / name, tokens, _logits(model, tokens))
     return out
 
