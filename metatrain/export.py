@@ -70,6 +70,32 @@ WHATS = ("inner", "meta", "baseline")
 FORMATS = ("orbax", "hf")
 
 
+def not_written_here(directory: str) -> list[str]:
+    """The names in `directory` that no export or import of ours wrote: all that `--overwrite` must not replace.
+    Ours: an `export.json` with a `kind`, an Orbax `params/`, a `model.safetensors` whose metadata names metatrain,
+    and beside one of those, `config.json` and the tokenizer files."""
+    def is_ours(name):
+        path = os.path.join(directory, name)
+        if name == "export.json":
+            try:
+                with open(path) as f:
+                    return "kind" in json.load(f)
+            except (OSError, ValueError, TypeError):
+                return False
+        if name == "params":
+            return os.path.isfile(os.path.join(path, "_METADATA")) or os.path.isfile(
+                os.path.join(path, "_CHECKPOINT_METADATA"))
+        if name == "model.safetensors":
+            return hf.written_by_metatrain(path)
+        return False
+
+    names = os.listdir(directory)
+    ours = {n for n in names if is_ours(n)}
+    if ours:
+        ours |= {n for n in names if n in ("config.json", *hf.TOKENIZER_FILES)}
+    return sorted(set(names) - ours)
+
+
 @dataclasses.dataclass
 class Exported:
     """Parameters taken out of a run or an export dir, and what is known about them."""
@@ -203,19 +229,23 @@ def read_source(src: str, what: str | None = None, adapters: bool = False) -> Ex
 
 
 def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax",
-           adapters: bool = False) -> tuple[str, str]:
+           adapters: bool = False, overwrite: bool = False) -> tuple[str, str]:
     """Write parameters out of `src` (a work dir or an export dir): `orbax` an export dir that `inner.init_from`
     accepts, `hf` a Hugging Face model dir. `what` defaults to inner for hf and to meta (pretrain runs: the model)
     for orbax. A LoRA run's model is merged into its base weights; `adapters` (orbax only) writes the adapters
-    alone. Returns (the output dir, one line saying what was written)."""
+    alone. `out` must be new or empty (`overwrite`: or hold only what an export wrote). Returns (the output dir, one
+    line saying what was written)."""
     if fmt not in FORMATS:
         raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
     if adapters and fmt != "orbax":
         raise ConfigError("export --adapters: adapters alone are written as --format orbax; --format hf merges them")
     src = paths.local(src)
+    out = paths.local(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
+    if out == src:
+        raise ConfigError(f"export --out: {out} is the source itself; give a new directory")
+    paths.output_dir(out, "export --out", not_written_here, overwrite)
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
-    out = paths.local(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
     if fmt == "hf":
         if exported.model is None:
             raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
@@ -233,14 +263,17 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         files) + ("" if info.get("tokenizer_dir") else " (no tokenizer files: the run used a tiktoken encoding)")
 
 
-def import_hf(directory: str, out: str) -> tuple[str, ModelConfig]:
+def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, ModelConfig]:
     """A local Hugging Face model dir -> an export dir (`params/`, `export.json`, tokenizer files) that
-    `inner.init_from` accepts. Tensors are read one at a time."""
+    `inner.init_from` accepts. Tensors are read one at a time. `out` as for `export`."""
     from flax import nnx
 
     from metatrain import models
 
-    directory, out = paths.local(directory), paths.local(out)
+    directory = paths.local(directory)
+    if paths.local(out) == directory:
+        raise ConfigError(f"import hf --out: {directory} is the model dir itself; give a new directory")
+    out = paths.output_dir(out, "import hf --out", not_written_here, overwrite)
     cfg, params = hf.read(directory)
     _, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, params)

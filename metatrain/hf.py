@@ -207,8 +207,20 @@ def write(out: str, cfg: ModelConfig, params: dict, base_config: dict | None = N
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    save_file(to_tensors(cfg, params), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_tensors(cfg, params), os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt", "writer": "metatrain"})
     return ["config.json", "model.safetensors", *copy_tokenizer(tokenizer_dir, out)]
+
+
+def written_by_metatrain(path: str) -> bool:
+    """Whether the safetensors file at `path` was written by `write` (its metadata says so)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "np") as f:
+            return (f.metadata() or {}).get("writer") == "metatrain"
+    except Exception:  # noqa: BLE001 — unreadable: not ours
+        return False
 
 
 def copy_tokenizer(source: str | None, out: str) -> list[str]:

@@ -29,3 +29,40 @@ def prefixed(spec: str | None, prefixes: tuple[str, ...], bare: bool = False) ->
         if spec and spec.startswith(prefix):
             return prefix + local(spec[len(prefix):])
     return local(spec) if bare else spec
+
+
+def output_file(path: str, flag: str) -> str:
+    """A file a command will write, checked before any work: absolute, not a directory; its folder is made."""
+    from metatrain.errors import ConfigError
+
+    path = local(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} is a directory; give the path of a file to write")
+    parent = os.path.dirname(path)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ConfigError(f"{flag}: {parent} is a file, so {path} cannot be written; give another path")
+    os.makedirs(parent, exist_ok=True)
+    return path
+
+
+def output_dir(path: str, flag: str, foreign, overwrite: bool = False) -> str:
+    """A directory a command will fill, checked before any work. It must be new or empty; with `overwrite`, it may
+    hold what a command of ours wrote there (`foreign(path)`: the names in it that we did not write) and nothing
+    else. A file, a run's work dir, or a folder with anything else in it is refused: nothing a user wrote is ever
+    replaced."""
+    from metatrain.errors import ConfigError
+
+    path = local(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} is a file; give a new directory")
+    held = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if {"config.yaml", "checkpoints"} & set(held):
+        raise ConfigError(f"{flag}: {path} is a run's work dir; give a new directory (e.g. {path}/export)")
+    if held and not overwrite:
+        raise ConfigError(f"{flag}: {path} already exists and is not empty; give a new directory, or --overwrite "
+                          "to replace what an earlier export or import wrote there")
+    others = foreign(path) if held else []
+    if others:
+        raise ConfigError(f"{flag}: {path} holds files metatrain did not write ({', '.join(others[:3])}); give a "
+                          "new directory")
+    return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import matplotlib
 import numpy as np
@@ -26,13 +27,31 @@ def _read(workdir: str) -> tuple[list[dict], list[dict], dict | None]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise DataError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = _rows(path)
     if not rows:
         raise DataError(f"{path} is empty: nothing to plot yet")
     weights_path = os.path.join(workdir, "eval_weights.json")
     weights = json.load(open(weights_path)) if os.path.exists(weights_path) else None
     evals = [r for r in rows if "eval_validation_loss" in r]
     return [r for r in rows if "eval_validation_loss" not in r], evals, weights
+
+
+def _rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl. A last line cut off (a run killed mid-write) is skipped with a word on stderr.
+    A run resumed from an earlier checkpoint appends the steps after it again: the last row of each step (and
+    kind: training or evaluation) is the one kept, in step order."""
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise DataError(f"{path}:{i + 1}: not a JSON line; is this a metatrain metrics file?") from None
+            print(f"plot: skipped the last line of {path}, cut off (a run stopped while writing it)", file=sys.stderr)
+    last = {("eval_validation_loss" in r, r.get("step")): r for r in rows}
+    return sorted(last.values(), key=lambda r: (r.get("step") or 0, "eval_validation_loss" in r))
 
 
 def ema(values: list[float], decay: float = 0.9) -> np.ndarray:
@@ -50,7 +69,11 @@ def _series(rows: list[dict], key: str):
 
 
 def plot_runs(workdirs: list[str], out: str | None = None) -> str:
-    workdirs, out = [paths.local(w) for w in workdirs], paths.local(out)
+    """Writes the run report of `workdirs` (overlaid) to `out`: a PNG path, or a directory to hold curves.png
+    (default: the first work dir). Returns the file written."""
+    workdirs = [paths.local(w) for w in workdirs]
+    out = paths.local(out or workdirs[0])
+    out = paths.output_file(os.path.join(out, "curves.png") if os.path.isdir(out) else out, "plot --out")
     runs = {os.path.basename(os.path.normpath(w)) or w: _read(w) for w in workdirs}
     several = len(runs) > 1
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
@@ -104,7 +127,6 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
         if ax.get_legend_handles_labels()[0] and (panel not in ("norm", "auc") or several):
             ax.legend(fontsize=8)
     fig.tight_layout()
-    out = out or os.path.join(workdirs[0], "curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

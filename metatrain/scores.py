@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 
@@ -31,7 +32,7 @@ from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.data.pipeline import document_source, split_ids
 from metatrain.data.tokenizer import load_tokenizer
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, DataError
 from metatrain.tasks import make_task
 
 
@@ -114,6 +115,9 @@ def _per_document(fn, params, docs, ids, tok, cfg: Config, max_rows: int, what: 
             np.add.at(total, where[keep], values[keep] * targets[keep])
             np.add.at(count, where[keep], targets[keep])
             bar.update(int(where[keep].max()) + 1 - bar.n)  # documents finished so far
+    if not count.any():
+        raise DataError(f"{what}: none of the {len(ids):,} documents has a token to predict (empty texts, or a "
+                        "document of one token); nothing to score or evaluate")
     return np.where(count > 0, total / np.maximum(count, 1), np.nan), count
 
 
@@ -127,8 +131,9 @@ def batch_weights(scores: np.ndarray, batch: int) -> np.ndarray:
 def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4) -> tuple[str, int]:
     """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
     the run's data.source). Returns (the path, the number of documents)."""
-    run = open_run(workdir)
-    source, out = paths.prefixed(source, config_lib.USER_SOURCES), paths.local(out)
+    run = open_run(workdir)  # reads metadata only: the output is checked before any scoring
+    out = paths.output_file(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out")
+    source = paths.prefixed(source, config_lib.USER_SOURCES)
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
@@ -137,7 +142,6 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     fn = jax.jit(run.task.scores)
     values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), tok, run.cfg, max_rows, "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
-    out = out or f"{paths.local(workdir).rstrip('/')}/scores.jsonl"
     with open(out, "w") as f:
         for i in range(len(docs)):
             score = float(values[i]) if np.isfinite(values[i]) else None  # an empty document has no score

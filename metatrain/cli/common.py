@@ -18,14 +18,22 @@ MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff",
 TASK_HELP = " | ".join(BUILTIN) + " | package.module:Class"
 
 
-def positive_int(text: str) -> int:
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return _whole(text, 0)
 
 
 def progress(it, desc=""):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from metatrain.cli import common
 from metatrain.config import presets
 from metatrain.export import FORMATS, WHATS
 
@@ -74,7 +75,7 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from metatrain.export import export
 
-    out, what = export(args.src, args.out, args.what, args.format, args.adapters)
+    out, what = export(args.src, args.out, args.what, args.format, args.adapters, args.overwrite)
     print(f"wrote {out}: {what}")
     return 0
 
@@ -83,7 +84,7 @@ def cmd_import_hf(args) -> int:
     from metatrain.export import import_hf
     from metatrain.models import param_count
 
-    out, cfg = import_hf(args.dir, args.out)
+    out, cfg = import_hf(args.dir, args.out, args.overwrite)
     print(f"wrote {out}: {param_count(cfg):,} parameters ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab "
           f"{cfg.vocab_size}); train from it with inner.init_from={out}")
     return 0
@@ -147,7 +148,9 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default="orbax",
                    help="orbax: an export dir for inner.init_from; hf: config.json + model.safetensors (+ tokenizer "
                         "files) that transformers loads")
-    p.add_argument("--out", default=None, help="output dir (default SRC/export or SRC/hf)")
+    p.add_argument("--out", default=None, help="output dir, new or empty (default SRC/export or SRC/hf)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (never files that metatrain did not write)")
     p.add_argument("--adapters", action="store_true",
                    help="a LoRA run: write the adapters alone (orbax); without it the model is merged into its base")
     p.set_defaults(fn=cmd_export)
@@ -156,22 +159,27 @@ def register(sub) -> None:
     q = kinds.add_parser("hf", help="a local Hugging Face model dir (llama, qwen2) -> an export dir for "
                                     "inner.init_from (inner.init_from=hf:DIR does it in one step)")
     q.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer files")
-    q.add_argument("--out", required=True, help="the export dir to write")
+    q.add_argument("--out", required=True, help="the export dir to write (new or empty)")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier import in --out (never files that metatrain did not write)")
     q.set_defaults(fn=cmd_import_hf)
     p = sub.add_parser("scores", help="per-document score and learned weight of a run's final η, as JSON lines")
     p.add_argument("workdir", help="a `metatrain train` work dir (a task with scores: loss_weighting)")
     p.add_argument("--data", default=None, help="a data source (jsonl:, parquet:, dir:, hf-disk:, tfds:, builtin; "
                                                 "default: the run's data.source)")
-    p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl")
-    p.add_argument("--max-rows", type=int, default=4, help="score a document by its first N rows of seq_len+1")
+    p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl (its folder is made)")
+    p.add_argument("--max-rows", type=common.positive_int, default=4,
+                   help="score a document by its first N rows of seq_len+1")
     p.set_defaults(fn=cmd_scores)
     p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start")
     p.add_argument("workdir", help="a `metatrain train` work dir")
     p.add_argument("--data", default=None, help="a data source (default: the run's validation documents)")
-    p.add_argument("--max-docs", type=int, default=0, help="evaluate the first N documents (0: all)")
-    p.add_argument("--max-rows", type=int, default=16, help="rows of seq_len+1 per document (longer: cut)")
+    p.add_argument("--max-docs", type=common.nonnegative_int, default=0, help="evaluate the first N documents (0: all)")
+    p.add_argument("--max-rows", type=common.positive_int, default=16,
+                   help="rows of seq_len+1 per document (longer: cut)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plot", help="the run report (PNG): held-out loss learned vs baseline, AUC, weights, losses")
     p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="one or more work dirs, overlaid by name")
-    p.add_argument("--out", default=None, help="default: WORKDIR/curves.png of the first")
+    p.add_argument("--out", default=None, help="a PNG file, or a directory to write curves.png in (default: the "
+                                               "first WORKDIR)")
     p.set_defaults(fn=cmd_plot)

@@ -1,0 +1,92 @@
+"""Where commands write: an output path is checked before any work, and nothing a user wrote is ever replaced
+(`paths.output_dir`, `paths.output_file`). Each case is a probe that once ended in a traceback, a hang, a wrong
+file or lost files."""
+
+import json
+import shutil
+
+import pytest
+from helpers import one_line_error
+
+from metatrain import cli
+
+
+def _main(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_export_never_replaces_a_users_files(shared_run, tmp_path, capsys):
+    run = shared_run["workdir"]
+    user = tmp_path / "userproj"
+    (user / "params").mkdir(parents=True)
+    (user / "params" / "hyper.yaml").write_text("mine")
+    (user / "export.json").write_text('{"mine": true}')
+    for extra in ((), ("--overwrite",)):
+        code, _, err = _main(capsys, "export", run, "--out", user, *extra)
+        assert code == 2
+        one_line_error(err, f"export --out: {user}")
+    assert (user / "params" / "hyper.yaml").read_text() == "mine" and json.loads((user / "export.json").read_text())
+    # the run's own work dir (exporting there hid the run from `export`), a file
+    code, _, err = _main(capsys, "export", run, "--out", run)
+    one_line_error(err, "is the source itself")
+    (tmp_path / "afile").write_text("x")
+    for fmt in ("orbax", "hf"):
+        code, _, err = _main(capsys, "export", run, "--out", tmp_path / "afile", "--format", fmt, "--what", "meta")
+        assert code == 2
+        one_line_error(err, "is a file")
+    # an earlier export: refused, then replaced with --overwrite
+    out = tmp_path / "exp"
+    assert _main(capsys, "export", run, "--out", out)[0] == 0
+    code, _, err = _main(capsys, "export", run, "--out", out)
+    one_line_error(err, "already exists", "--overwrite")
+    assert _main(capsys, "export", run, "--out", out, "--overwrite")[0] == 0
+    assert json.loads((out / "export.json").read_text())["what"] == "meta"
+
+
+def test_import_hf_checks_its_output_first(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = _main(capsys, "import", "hf", tmp_path / "no-model", "--out", tmp_path / "afile")
+    assert code == 2
+    one_line_error(err, "import hf --out", "is a file")
+    code, _, err = _main(capsys, "import", "hf", tmp_path, "--out", tmp_path)
+    one_line_error(err, "is the model dir itself")
+
+
+def test_scores_and_plot_outputs(shared_run, tmp_path, capsys):
+    run = shared_run["workdir"]
+    code, _, err = _main(capsys, "scores", run, "--out", tmp_path)  # an existing dir: refused before scoring
+    assert code == 2
+    one_line_error(err, "scores --out", "is a directory")
+    with pytest.raises(SystemExit):  # argparse: nothing to score
+        cli.main(["scores", str(run), "--max-rows", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", str(run), "--max-docs", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
+    # a missing folder is made; a directory given to plot gets curves.png
+    assert _main(capsys, "plot", run, "--out", tmp_path / "new" / "x.png")[0] == 0
+    assert (tmp_path / "new" / "x.png").stat().st_size > 0
+    code, out, _ = _main(capsys, "plot", run, "--out", tmp_path / "new")
+    assert code == 0 and out.strip() == f"wrote {tmp_path / 'new' / 'curves.png'}"
+    assert (tmp_path / "new" / "curves.png").is_file() and not (tmp_path / "new.png").exists()
+
+
+def test_plot_reads_a_cut_off_and_a_resumed_metrics_file(shared_run, tmp_path, capsys):
+    """A run killed mid-write leaves half a line; a run resumed from an earlier checkpoint writes its steps again."""
+    from metatrain.plot import _rows
+
+    run = tmp_path / "run"
+    shutil.copytree(shared_run["workdir"], run, ignore=shutil.ignore_patterns("checkpoints", ".lock"))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    train = [json.loads(line) for line in lines if "meta_grad_norm" in line]
+    again = [dict(r, outer_loss=r["outer_loss"] + 1) for r in train[2:]]  # steps 3.. again, after a resume
+    text = "\n".join(lines + [json.dumps(r) for r in again]) + '\n{"step": 5, "outer_lo'
+    (run / "metrics.jsonl").write_text(text)
+    rows = _rows(str(run / "metrics.jsonl"))
+    steps = [r["step"] for r in rows if "meta_grad_norm" in r]
+    assert steps == sorted(set(steps)) == [r["step"] for r in train]
+    assert [r["outer_loss"] for r in rows if "meta_grad_norm" in r][2:] == [r["outer_loss"] for r in again]
+    assert "cut off" in capsys.readouterr().err
+    assert _main(capsys, "plot", run)[0] == 0
