@@ -181,18 +181,24 @@ class _Checkpointable:
         pass
 
 
-def _warn_if_smaller_than_a_batch(name: str, docs, ids, tok: Tokenizer, cfg: DataConfig, n_shards: int) -> None:
-    """Packing repeats a stream's documents forever: say so when one shard's documents do not fill one batch
-    (batch / shards rows of seq_len+1 tokens), since every batch then repeats the same text."""
+def _check_fills_a_batch(name: str, docs, ids, tok: Tokenizer, cfg: DataConfig, n_shards: int, say: bool) -> None:
+    """Packing repeats a stream's documents forever: refuse documents with no text at all, and (`say`) warn when
+    one shard's documents do not fill one batch (batch / shards rows of seq_len+1 tokens), since every batch then
+    repeats the same text."""
     need = cfg.batch // n_shards * (cfg.seq_len + 1)
-    have = 0
+    have = text = 0
     for i in ids:
-        have += len(tok.encode(docs[int(i)]))
-        if have >= need:
+        tokens = len(tok.encode(docs[int(i)], eot=False))
+        have, text = have + tokens + 1, text + tokens  # + the end-of-text token packing adds
+        if have >= need and text:
             return
-    print(f"metatrain: warning: the {name} stream's {len(ids)} document(s) per data shard hold {have:,} tokens, "
-          f"fewer than one batch ({cfg.batch // n_shards} rows x {cfg.seq_len + 1} = {need:,} tokens): every "
-          f"batch repeats them; add documents or lower data.batch / data.seq_len", file=sys.stderr)
+    if not text:  # packing would spin on end-of-text tokens alone
+        raise DataError(f"the {name} stream's {len(ids)} document(s) per data shard hold no text (every document is "
+                        "empty); check data.text_field and the source's records")
+    if say:
+        print(f"metatrain: warning: the {name} stream's {len(ids)} document(s) per data shard hold {have:,} tokens, "
+              f"fewer than one batch ({cfg.batch // n_shards} rows x {cfg.seq_len + 1} = {need:,} tokens): every "
+              f"batch repeats them; add documents or lower data.batch / data.seq_len", file=sys.stderr)
 
 
 def _concat(batches: list[dict], axis: int) -> dict:
@@ -238,10 +244,9 @@ class Streams:
         self._shards = range(process_index * per, (process_index + 1) * per)
         self._common = dict(seq_len=cfg.seq_len, batch=cfg.batch // n_shards, process_count=n_shards,
                             shuffle_window=cfg.shuffle_window)
-        if process_index == 0:
-            for name, source, ids in (("inner", docs, inner_ids), ("outer", self.trusted, outer_ids),
-                                      ("validation", self.trusted, self.validation_ids)):
-                _warn_if_smaller_than_a_batch(name, source, ids[::n_shards], self.tokenizer, cfg, n_shards)
+        for name, source, ids in (("inner", docs, inner_ids), ("outer", self.trusted, outer_ids),
+                                  ("validation", self.trusted, self.validation_ids)):
+            _check_fills_a_batch(name, source, ids[::n_shards], self.tokenizer, cfg, n_shards, process_index == 0)
         self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
                                   process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
         self.outer = [iter(stream(self.trusted, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,

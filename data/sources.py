@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -199,9 +200,15 @@ class TextDir(FileDocuments):
         for d, dirs, names in os.walk(root):
             dirs[:] = sorted(x for x in dirs if not x.startswith("."))
             files += [os.path.join(d, n) for n in sorted(names) if not n.startswith(".")]
-        if not files:
-            raise DataError(f"data source dir:{root}: no files under {root!r}")
-        super().__init__(files)
+        readable = [f for f in files if os.path.isfile(f) and os.access(f, os.R_OK)]  # not dangling links
+        if not readable:
+            raise DataError(f"data source dir:{root}: no files under {root!r}" if not files else
+                            f"data source dir:{root}: no readable files under {root!r} ({len(files)} dangling links or "
+                            "unreadable files)")
+        if len(readable) < len(files):
+            print(f"metatrain: warning: data source dir:{root}: skipped {len(files) - len(readable)} dangling links "
+                  f"or unreadable files of {len(files)}", file=sys.stderr)
+        super().__init__(readable)
         self.root = root
 
     def __getitem__(self, i: int) -> str:

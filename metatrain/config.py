@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import math
 import os
+import re
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -175,9 +176,12 @@ def validate(cfg: Config) -> Config:
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
     try:
-        task_class(cfg.task)
+        cls = task_class(cfg.task)
     except TaskError as e:
         raise ConfigError(f"task: {e}") from None
+    _check(not cfg.meta_model.given or getattr(cls, "uses_meta_model", False), "meta_model",
+           f"task {cfg.task!r} has no meta model to configure (loss_weighting's scorer is one); drop the meta_model.* "
+           "settings")
     return cfg
 
 
@@ -232,8 +236,10 @@ def _scorer(model: ModelConfig, m: MetaModelConfig, inner: ModelConfig) -> Model
     try:
         return model.replace(**fields, vocab_size=inner.vocab_size, head="lm",
                              **{k: getattr(inner, k) for k in RUN_MODEL_FIELDS if k != "head"})
-    except ConfigError as e:
-        raise ConfigError(f"meta_model: {e}") from None
+    except ConfigError as e:  # the model's own check names model.FIELD: here it is meta_model.FIELD
+        message = str(e)
+        raise ConfigError(re.sub(r"(?<![\w.])model\.", "meta_model.", message) if message.startswith("model.") else
+                          f"meta_model: {message}") from None
 
 
 def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
@@ -248,6 +254,19 @@ def follow_pretrained(cfg: Config, tokenizer_given: bool) -> Config:
     if not tokenizer_given and os.path.isfile(os.path.join(directory, "tokenizer.json")):
         data = dataclasses.replace(data, tokenizer=HF_PREFIX + directory)
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+def _dotlist(overrides) -> OmegaConf:
+    """The overrides as a config; a value that is not valid YAML is refused naming its key."""
+    import yaml
+
+    for override in overrides:
+        try:
+            OmegaConf.from_dotlist([override])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{override_key(override)}: {override.partition('=')[2]!r} cannot be read as a value "
+                              f"({str(e).splitlines()[0]}); quote it, e.g. {override_key(override)}='...'") from None
+    return OmegaConf.from_dotlist(list(overrides))
 
 
 def override_key(override: str) -> str:
@@ -272,7 +291,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(merged, _dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except ConfigError:
         raise

@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 from metatrain import models
-from metatrain.errors import TaskError
+from metatrain.errors import ConfigError, TaskError
 from metatrain.models import LoRAConfig, ModelConfig, split_adapters
 
 Pytree = Any
@@ -56,6 +56,9 @@ class Task:
     # True: every outer step starts from η (MAML), so the Trainer keeps no inner state between steps and
     # `inner_start` gets `inner=None`. False: the inner state (θ, υ) is carried from step to step.
     resets_inner: bool = False
+    # True for tasks whose η holds a model built from `meta_model` (loss weighting's scorer): only they take the
+    # run's `meta_model.*` settings; for the others those settings are refused rather than ignored.
+    uses_meta_model: bool = False
     # What `__init__` sets, with class-level defaults, so a task that brings its own model (and an `__init__` that
     # does not call this one) still has them: no transformer, no LoRA, no bound base weights.
     model: ModelConfig | None = None
@@ -69,7 +72,10 @@ class Task:
         self.meta_model = meta_model or model
         self.inner_lr = inner_lr
         self.lora = lora if lora is not None and lora.rank > 0 else None
-        self.graphdef, _ = models.abstract_init(model, self.lora)
+        self.graphdef, shapes = models.abstract_init(model, self.lora)
+        if self.lora is not None and not jax.tree.leaves(split_adapters(shapes)[1]):
+            raise ConfigError(f"inner.lora.targets: {self.lora.targets} adapts no weight of this model ('gate' exists "
+                              "in SwiGLU MLPs only, model.mlp=swiglu); name at least one of q,k,v,o,up,down")
         self.inner_opt = optax.adam(inner_lr, eps_root=1e-8)
         self.frozen = None  # the LoRA base weights, bound inside the traced step by `with_frozen`
 

@@ -28,6 +28,7 @@ from metatrain.tasks.base import Pytree, Task
 
 class LossWeighting(Task):
     name = "loss_weighting"
+    uses_meta_model = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
