@@ -13,7 +13,7 @@ import re
 
 import jax
 
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, TrainingError
 
 GiB = 2**30
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.74, "v6e": 32.0}  # per chip
@@ -71,6 +71,24 @@ def topology_devices(topology: str):
     return topo.devices, HBM_GIB[chip] * GiB
 
 
+# Compiler refusals a user can act on: (a pattern of the compiler's message, what to do).
+FIXABLE = ((re.compile(r"CompileTimeScopedVmemOom|scoped vmem", re.I),
+            "the TPU compiler ran out of scoped VMEM at libtpu's default limit; set "
+            "LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=32768 and run again"),)
+
+
+def compile(lowered, options: dict | None = None):
+    """`lowered.compile(options)`; a refusal in `FIXABLE` is one TrainingError line saying what to set."""
+    try:
+        return lowered.compile(compiler_options=options)
+    except Exception as e:  # noqa: BLE001 — re-raised unless it is a refusal we can explain
+        for pattern, fix in FIXABLE:
+            if pattern.search(str(e)):
+                raise TrainingError(f"compiling the outer step: {fix} (the compiler said: "
+                                    f"{str(e).strip().splitlines()[0][:200]})") from None
+        raise
+
+
 def compile_exact(lowered, tpu: bool, options: dict | None = None):
     """`lowered.compile()`, and for a TPU program the compiler refuses for HBM, the same program compiled past the
     limit: (compiled, the bytes the refusal asked for or None, its message or None).
@@ -81,14 +99,14 @@ def compile_exact(lowered, tpu: bool, options: dict | None = None):
     then exact. A program that fits compiles to the same figures with and without the option (tested). Where
     that compile fails too (v5e: "Invalid TPU program"), compiled is None."""
     try:
-        return lowered.compile(compiler_options=options), None, None
+        return compile(lowered, options), None, None
     except Exception as e:  # noqa: BLE001 — only the TPU compiler's out-of-memory refusal is retried
         need = required_bytes(e) if tpu else None
         if need is None:
             raise
         message = str(e).splitlines()[0][:300]
     try:
-        return lowered.compile(compiler_options=(options or {}) | PAST_HBM), need, message
+        return compile(lowered, (options or {}) | PAST_HBM), need, message
     except Exception:  # noqa: BLE001
         return None, need, message
 

@@ -13,6 +13,7 @@ import itertools
 
 import jax
 
+from metatrain import aot
 from metatrain import step as step_lib
 from metatrain.aot import compiled_memory
 from metatrain.config import AUTO, Config
@@ -28,7 +29,7 @@ def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program
     figures, built = {}, {}
     for mode, schedule in itertools.product(modes, schedules):
         program = step_lib.meta_program(cfg, mesh, mode, schedule)
-        compiled = step_lib.lower(program).compile()
+        compiled = aot.compile(step_lib.lower(program))
         m = compiled_memory(compiled)
         name = mode if len(schedules) == 1 else f"{mode}+{schedule}"
         figures[name] = {"mode": mode, "inner_checkpoint": schedule, "peak_bytes": m["peak_bytes"], "flops": m["flops"]}

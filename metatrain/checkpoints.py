@@ -44,6 +44,18 @@ def first_layout_difference(saved, target) -> str | None:
     return f"the checkpoint has {extra[0]}, this run's state does not" if extra else None
 
 
+class _NoItemMetadataFilter(logging.Filter):
+    """Orbax warns that a checkpoint item has no `_CHECKPOINT_METADATA` each time one is read item by item: a
+    CheckpointManager writes that file for the whole step only. Every read of a run's state said it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Metadata file does not exist")
+                    and record.getMessage().endswith("_CHECKPOINT_METADATA"))
+
+
+logging.getLogger("absl").addFilter(_NoItemMetadataFilter())
+
+
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 

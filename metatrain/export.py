@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from metatrain import config as config_lib
 from metatrain import hf, paths
 from metatrain import workdir as workdir_lib
-from metatrain.checkpoints import first_layout_difference
+from metatrain.checkpoints import first_layout_difference, leaf_shapes
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig
@@ -59,8 +59,14 @@ def _restore_part(state_dir: str, saved: dict, key: str, target=None):
 
 
 def _check_matches(path: str, saved, target, field: str = "inner.init_from"):
-    """Refuse a checkpoint whose parameter names or shapes differ from the target's, naming the first."""
+    """Refuse a checkpoint whose parameter names or shapes differ from the target's, naming the first; a vocabulary
+    that differs is named as the tokenizer's."""
     difference = first_layout_difference(saved, target)
+    vocab = lambda tree: next((s[0] for k, s in leaf_shapes(tree).items() if k.split("/")[0] == "embed"), None)
+    if difference and vocab(saved) != vocab(target) and None not in (vocab(saved), vocab(target)):
+        raise ConfigError(f"{field}: {path} has a vocabulary of {vocab(saved):,} tokens, this run's tokenizer "
+                          f"{vocab(target):,}; use the tokenizer it was trained with (a Hugging Face model's own: "
+                          f"leave data.tokenizer unset; a pretrain run's: its data.tokenizer and data.vocab_size)")
     if difference:
         raise ConfigError(f"{field}: {path} does not hold parameters of this run's model ({difference}); "
                           f"pretrain with the same model.* and data.vocab_size settings")
@@ -259,7 +265,9 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         with open(os.path.join(out, "export.json"), "w") as f:
             json.dump(payload, f, indent=1)
         files = ["params/", "export.json", *hf.copy_tokenizer(info.get("tokenizer_dir"), out)]
-    return out, f"{info.get('what', 'inner')} parameters ({info.get('kind')}, step {info.get('step')}): " + ", ".join(
+    origin = f"{info.get('kind')}, step {info['step']}" if info.get("step") is not None else (
+        f"imported from {info['source']}" if info.get("source") else info.get("kind"))
+    return out, f"{info.get('what', 'inner')} parameters ({origin}): " + ", ".join(
         files) + ("" if info.get("tokenizer_dir") else " (no tokenizer files: the run used a tiktoken encoding)")
 
 

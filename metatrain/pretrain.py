@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from metatrain import models
+from metatrain import aot, models
 from metatrain import step as step_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
@@ -59,7 +59,7 @@ class Pretrainer(Trainer):
         return pretrain_program(self.cfg, self.mesh)
 
     def _compile(self, program: step_lib.Program):
-        return program, step_lib.lower(program).compile()
+        return program, aot.compile(step_lib.lower(program))
 
     def _load_pretrained(self, path: str):
         raise ConfigError("inner.init_from is for meta-training; pretrain continues a run by resuming its work dir")

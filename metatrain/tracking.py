@@ -54,13 +54,17 @@ def wandb_run(cfg: Config, log_dir: str):
 class MetricsLog:
     """Metrics as JSON lines and TensorBoard scalars (and W&B when asked), written by process 0 only."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, start_step: int = 0):
+        """`start_step`: the step the run starts from; rows of later steps that metrics.jsonl already holds (a run
+        stopped after its last checkpoint, then resumed from it) are dropped, as is a line cut off mid-write."""
         from tensorboardX import SummaryWriter
 
         self.workdir = cfg.workdir
         self.dir = workdir_lib.log_dir(cfg.workdir)
         os.makedirs(self.dir, exist_ok=True)
-        self.jsonl = open(os.path.join(self.dir, "metrics.jsonl"), "a")
+        path = os.path.join(self.dir, "metrics.jsonl")
+        _keep_rows_up_to(path, start_step)
+        self.jsonl = open(path, "a")
         self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
         self.wandb = wandb_run(cfg, self.dir) if cfg.log.wandb else None
 
@@ -85,6 +89,24 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
         self.sync()
+
+
+def _keep_rows_up_to(path: str, step: int) -> None:
+    """Rewrite a metrics.jsonl without its rows past `step` and without a last line that was cut off."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def copy_logs(log_dir: str, workdir: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import auto, distributed
+from metatrain import aot, auto, distributed
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -108,7 +108,7 @@ class Trainer:
         """The compiled outer step; with mode / inner_checkpoint `auto` the best candidate's (the state's layout
         is the same for every candidate: they differ in how the meta-gradient is computed)."""
         if AUTO not in (self.cfg.mode, self.cfg.inner_checkpoint):
-            return program, step_lib.lower(program).compile()
+            return program, aot.compile(step_lib.lower(program))
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:
             tqdm.write(auto.describe(choice), file=sys.stderr)
@@ -274,6 +274,13 @@ class Trainer:
         self.state = {**self.state, **restored["state"]}  # all but the frozen base come from the checkpoint
         return step
 
+    def _check_base(self) -> None:
+        """A LoRA run's adapters stay on the base weights they were trained on (recorded when the run starts)."""
+        if "frozen" in self.state:
+            identity = workdir_lib.base_identity(self.state["frozen"], self.cfg.inner.init_from)
+            if self.is_main:
+                workdir_lib.check_base(self.cfg.workdir, identity)
+
     def release(self) -> None:
         if getattr(self, "lock", None) is not None:
             self.lock.release()
@@ -297,7 +304,8 @@ class Trainer:
         bar = progress_bar(cfg.steps, start_step, self.kind, disable=not self.show_progress)
         bad_in_a_row, skipped = 0, 0
         try:
-            self.log = MetricsLog(cfg) if self.is_main else None
+            self._check_base()
+            self.log = MetricsLog(cfg, start_step) if self.is_main else None
             summary = {"start_validation_loss": self.validation_loss()}
             eval_every = cfg.eval_every or max(1, cfg.steps // 10)
             evaluation, eval_seconds = None, 0.0

@@ -10,6 +10,7 @@ the end, so a preempted VM loses at most what came after the last checkpoint.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import time
@@ -70,8 +71,10 @@ class Lock:
         self.workdir = workdir
         self.path = os.path.join(log_dir(workdir), ".lock")
         self._file = None
+        self._made = False
 
     def acquire(self) -> Lock:
+        self._made = not os.path.isdir(os.path.dirname(self.path))  # a run that fails before writing removes it
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         f = open(self.path, "a+")
         try:
@@ -94,6 +97,10 @@ class Lock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+            folder = os.path.dirname(self.path)
+            if self._made and os.listdir(folder) == [".lock"]:  # nothing but the lock: leave no empty work dir
+                os.remove(self.path)
+                os.rmdir(folder)
 
     def __enter__(self) -> Lock:
         return self.acquire()
@@ -135,3 +142,35 @@ def run_config(preset: str | None, overrides: list[str], resume: bool, default_p
         raise ConfigError(f"steps: the run in {cfg.workdir} is already at step {latest} (steps={cfg.steps}); "
                           f"set steps above {latest} to train it further")
     return cfg, True
+
+
+# ---- the LoRA base a run's adapters were trained on ------------------------------------------------------------------
+def base_path(workdir: str) -> str:
+    return os.path.join(workdir, "lora_base.json")
+
+
+def base_identity(frozen, init_from: str) -> dict:
+    """Where a LoRA run's frozen base came from and a fingerprint of its weights: the sum of |w| of each leaf, in
+    float32 on the devices (6 significant digits are kept: they do not depend on the mesh's reduction order, and
+    other weights of the same shapes differ far more)."""
+    import jax
+    import jax.numpy as jnp
+
+    sums = jax.jit(lambda t: [jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(t)])(frozen)
+    return {"init_from": init_from or "random (the run's seed)", "abs_sums": [float(f"{float(s):.6g}") for s in sums]}
+
+
+def check_base(workdir: str, identity: dict) -> None:
+    """Refuse to resume a LoRA run on base weights other than those its adapters were trained on (recorded in the
+    work dir at its first checkpoint); record them when nothing is recorded yet."""
+    saved = config_lib.read_text(base_path(workdir))
+    if saved is None:
+        config_lib.write_text(base_path(workdir), json.dumps(identity, indent=1))
+        return
+    before = json.loads(saved)
+    same = len(before["abs_sums"]) == len(identity["abs_sums"]) and all(
+        abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-30) for a, b in zip(before["abs_sums"], identity["abs_sums"]))
+    if not same:
+        raise ConfigError(f"inner.init_from: the run in {workdir} trained its LoRA adapters on the base weights of "
+                          f"{before['init_from']}; {identity['init_from']} holds other weights. Resume with that base, "
+                          f"or start a new workdir")

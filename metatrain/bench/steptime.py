@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 
+from metatrain import aot
 from metatrain import step as step_lib
 from metatrain.aot import compiled_memory
 from metatrain.bench.compile import program_for
@@ -30,7 +31,7 @@ class _Runner:
 
     def __init__(self, cfg: Config, variant: Variant, seed: int):
         program, _ = program_for(variant.apply(cfg))
-        self.compiled = step_lib.lower(program).compile()
+        self.compiled = aot.compile(step_lib.lower(program))
         k_state, k_data = jax.random.split(jax.random.key(seed))
         self.state = step_lib.init(program, k_state)
         specs = step_lib.batch_specs(program.data, program.mesh)

@@ -2,6 +2,7 @@
 the field or file and what to do, exit 2, before anything compiles; none is silently ignored."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -50,3 +51,68 @@ def test_dangling_links_in_a_dir_source_are_skipped_and_counted(tmp_path, capsys
     source = open_source(f"dir:{docs}")
     assert len(source) == 3 and sorted(source.doc_id(i) for i in range(3)) == ["doc0.txt", "doc1.txt", "doc2.txt"]
     assert "skipped 5 dangling links or unreadable files of 8" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_before_writing_leaves_no_work_dir(tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "empty.jsonl", [""] * 40)
+    assert cli.main(["train", *TINY, f"data.source=jsonl:{source}", f"workdir={tmp_path / 'new'}"]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_eval_of_documents_with_no_token_is_one_line(shared_run, tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "empty.jsonl", ["", "", ""])
+    assert cli.main(["eval", str(shared_run["workdir"]), "--data", f"jsonl:{source}"]) == 2
+    one_line_error(capsys.readouterr().err, "has a token to predict")  # it printed loss 0.0000, perplexity 1.00
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(shared_run, tmp_path, capsys):
+    """Two export dirs of the same shapes (the shared run's fine-tuned and baseline models): resuming a LoRA run with
+    the other as inner.init_from is refused; with its own base it resumes. Also: the rows a run wrote after its last
+    checkpoint are dropped from metrics.jsonl when it resumes from that checkpoint."""
+    run = shared_run["workdir"]
+    for what in ("inner", "baseline"):
+        assert cli.main(["export", str(run), "--what", what, "--out", str(tmp_path / what)]) == 0
+    capsys.readouterr()
+    lora = [*TINY, "inner.lora.rank=2", f"workdir={tmp_path / 'run'}", "checkpoint_every=2", "log.wandb=false"]
+    assert cli.main(["train", *lora, f"inner.init_from={tmp_path / 'inner'}", "steps=2"]) == 0
+    identity = json.loads((tmp_path / "run" / "lora_base.json").read_text())
+    assert identity["init_from"] == str(tmp_path / "inner") and len(identity["abs_sums"]) > 3
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # as if it had run on to step 3 and been killed
+        f.write(json.dumps({"step": 3, "outer_loss": 9.0, "meta_grad_norm": 1.0}) + "\n" + '{"step": 4, "ou')
+    capsys.readouterr()
+    code = cli.main(["train", *lora, f"inner.init_from={tmp_path / 'baseline'}", "steps=3"])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, "inner.init_from:", f"base weights of {tmp_path / 'inner'}",
+                   "holds other weights")
+    assert cli.main(["train", *lora, f"inner.init_from={tmp_path / 'inner'}", "steps=3"]) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r["step"] for r in rows if "meta_grad_norm" in r]
+    assert steps == [1, 2, 3] and all(r.get("outer_loss") != 9.0 for r in rows)
+
+
+def test_reading_a_run_logs_no_missing_metadata_warning(shared_run, tmp_path, caplog):
+    """Orbax warned "Metadata file does not exist" for every read of a run's state, item by item."""
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["export", str(shared_run["workdir"]), "--out", str(tmp_path / "meta")]) == 0
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+
+
+def test_a_compiler_refusal_a_user_can_fix_is_one_line_naming_the_flag():
+    """The TPU compiler's scoped-VMEM refusal (the LoRA 1B program hits it at libtpu's default limit) reached users as
+    a traceback from `bench memory`, `compile` and `train`: every compile goes through `aot.compile`."""
+    from metatrain import aot
+    from metatrain.errors import TrainingError
+
+    class Refused:
+        def __init__(self, message):
+            self.message = message
+
+        def compile(self, compiler_options=None):
+            raise RuntimeError(self.message)
+
+    with pytest.raises(TrainingError) as e:
+        aot.compile(Refused("INTERNAL: Mosaic failed: CompileTimeScopedVmemOom: used 20.5M of 16.0M scoped vmem\n..."))
+    assert "LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=32768" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(RuntimeError, match="something else"):  # other failures keep their traceback
+        aot.compile(Refused("something else"))

