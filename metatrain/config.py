@@ -297,7 +297,10 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         raise
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0]
+        if "Cannot convert 'DictConfig'" in why or "Cannot convert 'ListConfig'" in why:  # e.g. data.source=jsonl:
+            why = "the value reads as YAML structure (a 'name: value' pair or a list), not text; quote or complete it"
+        raise ConfigError(f"{key or 'config'}: {why}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
     cfg = local_paths(cfg)

