@@ -125,7 +125,8 @@ OUTSIDE = [r"shared/", r"FACTS\.md", r"[Pp]rototype", r"/tmp/", r"/var/folders/"
 
 
 def test_nothing_points_outside_the_repository():
-    files = [ROOT / "README.md", *[p for d in ("docs", "configs", "examples") for p in sorted((ROOT / d).rglob("*"))]]
+    folders = ("docs", "configs", "examples", "scripts")
+    files = [ROOT / "README.md", *[p for d in folders for p in sorted((ROOT / d).rglob("*"))]]
     files += [p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*"))]
     hits = []
     for path in files:
