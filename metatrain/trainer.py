@@ -9,6 +9,7 @@ flight, and a stop by signal saves the state first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -148,8 +149,18 @@ class Trainer:
         put = lambda state, params: place(self.task, self.program.meta_opt, state, params)
         return jax.jit(put, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
+    @contextlib.contextmanager
+    def _data_wait(self):
+        """While the run waits for batches, a stop signal stops it at once (there is no step to finish)."""
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+
     def _global_batches(self):
-        inner, outer = self.streams.next()
+        with self._data_wait():
+            inner, outer = self.streams.next()
         return (to_global(inner, self._inner_sharding, DEVICE_FEATURES),
                 to_global(outer, self._outer_sharding, DEVICE_FEATURES))
 
@@ -169,8 +180,9 @@ class Trainer:
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
-            self._test_cache = [to_global(b, self._outer_sharding, DEVICE_FEATURES)
-                                for b in self.streams.test_batches(self.cfg.eval_batches)]
+            with self._data_wait():
+                self._test_cache = [to_global(b, self._outer_sharding, DEVICE_FEATURES)
+                                    for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 
     def _scored(self, max_batches: int = 64) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray]:
@@ -287,9 +299,15 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
-        """SIGTERM / SIGINT: save at the end of this step and stop. A second one stops at once."""
+        """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
+        one stops at once."""
         self._stop_signal = signal.Signals(signum).name
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        if getattr(self, "_waiting", False):  # no step to finish; nothing half-read is saved
+            step = int(self.state["step"])
+            saved = (f"checkpoint {step} saved" if self.checkpoints.last_saved == step else self._last_checkpoint())
+            raise TrainingError(f"stopped by {self._stop_signal} at step {step}; {saved} (the signal came while "
+                                "waiting for data), run again with --resume to continue")
 
     def _last_checkpoint(self) -> str:
         step = self.checkpoints.last_saved

@@ -198,6 +198,50 @@ def test_a_signal_saves_and_stops_with_one_line(tmp_path, sig):
     assert not [n for n in os.listdir(workdir / "checkpoints") if "tmp" in n]
 
 
+SLOW_DATA = """
+import sys, time
+from metatrain import cli
+from metatrain.data import pipeline
+
+next_, calls = pipeline.Streams.next, []
+
+
+def stuck(self):  # from step 3 on the data never comes (a source that packs nothing, a dead mount)
+    calls.append(1)
+    if len(calls) > 2:
+        print("waiting for data", file=sys.stderr, flush=True)
+        time.sleep(600)
+    return next_(self)
+
+
+pipeline.Streams.next = stuck
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_stops_a_run_waiting_for_data_at_once(tmp_path):
+    """A run stuck waiting for data finished no step, so one SIGTERM stops it at once (it used to wait for the step),
+    naming the last checkpoint; nothing half-read is saved."""
+    workdir, err_path = tmp_path / "run", tmp_path / "err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_DATA, "train", *TINY, f"workdir={workdir}", "steps=10",
+                                 "checkpoint_every=1"], env=env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            deadline = time.time() + 300
+            while "waiting for data" not in err_path.read_text():
+                assert proc.poll() is None and time.time() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    text = err_path.read_text()
+    assert proc.returncode == 2, text[-3000:]
+    one_line_error(text, "stopped by SIGTERM at step 2; checkpoint 2 saved (the signal came while waiting for data)")
+    assert checkpoints(workdir) == [1, 2]
+
+
 # ---- 9. messages that name the thing to fix ---------------------------------------------------------
 def test_export_of_a_missing_or_foreign_dir(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "missing")]) == 2
