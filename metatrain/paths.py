@@ -16,8 +16,8 @@ def is_remote(path: str) -> bool:
 
 
 def local(path: str | None) -> str | None:
-    """`path` with `~` expanded, absolute; empty, None and URL-style paths unchanged."""
-    if not path or is_remote(path):
+    """`path` with `~` expanded, absolute; empty (or blank), None and URL-style paths unchanged."""
+    if not path or not path.strip() or is_remote(path):
         return path
     return os.path.abspath(os.path.expanduser(path))
 

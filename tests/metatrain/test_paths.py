@@ -33,7 +33,7 @@ def test_a_run_config_names_every_path_absolutely(tmp_path, monkeypatch):
     cfg = config.load("default", ["inner.init_from=hf:base", "workdir=gs://bucket/run"], pretrained=False)
     assert cfg.inner.init_from == f"hf:{tmp_path}/base" and cfg.workdir == "gs://bucket/run"
     assert cfg.data.source == "builtin" and cfg.data.tokenizer == config.Config().data.tokenizer
-    assert paths.local("") == "" and paths.local(None) is None
+    assert paths.local("") == "" and paths.local("  ") == "  " and paths.local(None) is None
 
 
 def test_an_export_dir_given_relative_is_read(shared_run, tmp_path, monkeypatch):
