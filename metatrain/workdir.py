@@ -151,8 +151,8 @@ def base_path(workdir: str) -> str:
 
 def base_identity(frozen, init_from: str) -> dict:
     """Where a LoRA run's frozen base came from and a fingerprint of its weights: the sum of |w| of each leaf, in
-    float32 on the devices (6 significant digits are kept: they do not depend on the mesh's reduction order, and
-    other weights of the same shapes differ far more)."""
+    float32 on the devices, to 6 significant digits (`check_base` compares them to 1e-5 relative: another mesh's
+    reduction order moves them far less, other weights of the same shapes far more)."""
     import jax
     import jax.numpy as jnp
 
@@ -162,7 +162,7 @@ def base_identity(frozen, init_from: str) -> dict:
 
 def check_base(workdir: str, identity: dict) -> None:
     """Refuse to resume a LoRA run on base weights other than those its adapters were trained on (recorded in the
-    work dir at its first checkpoint); record them when nothing is recorded yet."""
+    work dir when the run first started); record them when nothing is recorded yet."""
     saved = config_lib.read_text(base_path(workdir))
     if saved is None:
         config_lib.write_text(base_path(workdir), json.dumps(identity, indent=1))
