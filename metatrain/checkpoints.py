@@ -80,8 +80,15 @@ def _silence_failed_reads() -> None:
     unraisable exceptions and asyncio records go where they went. Those already pending are collected now."""
     if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger("asyncio").filters):
         logging.getLogger("asyncio").addFilter(_FailedReadFilter())
+    if not getattr(sys.unraisablehook, "drops_failed_reads", False):  # ours, unless something replaced it since
         previous = sys.unraisablehook
-        sys.unraisablehook = lambda u: None if _from_failed_read(u.exc_value) else previous(u)
+
+        def hook(unraisable):
+            if not _from_failed_read(unraisable.exc_value):
+                previous(unraisable)
+
+        hook.drops_failed_reads = True
+        sys.unraisablehook = hook
     gc.collect()
 
 
