@@ -247,9 +247,7 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         raise ConfigError("export --adapters: adapters alone are written as --format orbax; --format hf merges them")
     src = paths.local(src)
     out = paths.local(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
-    if out == src:
-        raise ConfigError(f"export --out: {out} is the source itself; give a new directory")
-    paths.output_dir(out, "export --out", not_written_here, overwrite)
+    paths.output_dir(out, "export --out", not_written_here, overwrite, source=(src, "the source"))
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
     if fmt == "hf":
@@ -279,9 +277,7 @@ def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, M
     from metatrain import models
 
     directory = paths.local(directory)
-    if paths.local(out) == directory:
-        raise ConfigError(f"import hf --out: {directory} is the model dir itself; give a new directory")
-    out = paths.output_dir(out, "import hf --out", not_written_here, overwrite)
+    out = paths.output_dir(out, "import hf --out", not_written_here, overwrite, source=(directory, "the model dir"))
     cfg, params = hf.read(directory)
     _, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, params)

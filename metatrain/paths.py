@@ -45,14 +45,16 @@ def output_file(path: str, flag: str) -> str:
     return path
 
 
-def output_dir(path: str, flag: str, foreign, overwrite: bool = False) -> str:
+def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: tuple[str, str] | None = None) -> str:
     """A directory a command will fill, checked before any work. It must be new or empty; with `overwrite`, it may
     hold what a command of ours wrote there (`foreign(path)`: the names in it that we did not write) and nothing
-    else. A file, a run's work dir, or a folder with anything else in it is refused: nothing a user wrote is ever
-    replaced."""
+    else. A file, a run's work dir, the command's own input (`source`: its path and what to call it) or a folder
+    with anything else in it is refused: nothing a user wrote is ever replaced."""
     from metatrain.errors import ConfigError
 
     path = local(path)
+    if source is not None and path == local(source[0]):
+        raise ConfigError(f"{flag}: {path} is {source[1]} itself; give a new directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a file; give a new directory")
     held = sorted(os.listdir(path)) if os.path.isdir(path) else []
