@@ -30,6 +30,8 @@ import optax
 
 from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig
+from metatrain.plan import Plan
+from metatrain.plan import choose as choose_plan
 from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
 from metatrain.tasks import Task, make_task
 from metatrain.unroll import MetaGradMethod, meta_value_and_grad, offloadable, outer_loss
@@ -167,6 +169,11 @@ class Program:
     method: MetaGradMethod | None = None
     offload_meta_opt: bool = False  # the meta-optimizer state's matrices live in host memory between steps
     offload_params: bool = False  # and η's
+
+    @property
+    def plan(self) -> Plan | None:
+        """The inner-loop program its meta-gradient is computed with (`plan.choose`); None for plain training."""
+        return None if self.method is None else choose_plan(self.method, self.data.inner_steps, self.task.model)
 
     @functools.cached_property
     def state_shapes(self) -> State:

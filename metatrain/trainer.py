@@ -79,9 +79,13 @@ class Trainer:
         self.program, self.compiled = self._compile(self.program)
         self.memory = compiled_memory(self.compiled)
         if self.is_main:
+            plan = self.program.plan
+            if plan is not None:
+                tqdm.write(f"meta-gradient: {plan.name} (mode {self.program.method.mode}, "
+                           f"T={cfg.data.inner_steps}; see the engine design docs)", file=sys.stderr)
             self._write_json("outer_step.json", {
-                "mesh": dict(self.mesh.shape), **(dataclasses.asdict(self.program.method) if self.program.method
-                                                   else {}), **self.memory})
+                "mesh": dict(self.mesh.shape), **({"plan": plan.name} if plan else {}),
+                **(dataclasses.asdict(self.program.method) if self.program.method else {}), **self.memory})
         self._inner_sharding = batch_sharding(self.mesh, leading=1)
         self._outer_sharding = batch_sharding(self.mesh)
         self._replicated = replicated(self.mesh)

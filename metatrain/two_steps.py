@@ -1,4 +1,5 @@
-"""Two inner steps and the outer loss with one hand-written backward pass (T=2, `mixflow`, saved inner gradients).
+"""Two inner steps and the outer loss with one hand-written backward pass (T=2, `mixflow`, saved inner gradients;
+`plan.choose` says when).
 
 Through autodiff each inner step's backward pass (`unroll.stored_step`) sees only its own cotangents. In the last
 step's, the outer loss's gradient θ̄_2 must then outlive the Hessian-vector product: the inner Adam moments'
@@ -23,13 +24,6 @@ from jax.custom_derivatives import SymbolicZero
 
 from metatrain import mixflow
 from metatrain.tasks import Task
-
-
-def applies(method, n_steps: int) -> bool:
-    """Whether `unroll.outer_loss` takes its inner steps here: two of them, `mixflow` with saved inner gradients, the
-    first step peeled (`MetaGradMethod.peel`) and none of the storage options (the checkpoint kept as computed)."""
-    return (n_steps == 2 and method.mode == "mixflow" and method.save_inner_grads and method.peel
-            and not method.unroll and not method.checkpoint_dtype)
 
 
 def run(task: Task, inner_loss: Callable) -> Callable:

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from metatrain import mixflow, two_steps
+from metatrain import plan as plan_lib
 from metatrain.errors import ConfigError
 from metatrain.tasks import Task
 
@@ -98,21 +99,20 @@ jax.tree_util.register_dataclass(OuterAux, data_fields=["inner", "inner_losses"]
 
 
 def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
-    """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis."""
+    """`f(meta, inner, batches, outer_batch) -> (V, OuterAux)`; batches have a leading [T] axis. The program is the
+    one `plan.choose` names for the method, T and the task's model."""
     # the LoRA base weights (None without LoRA) go in as an argument that gets no cotangent
     inner_loss = lambda theta, meta, batch, frozen: task.with_frozen(frozen).inner_loss(theta, meta, batch)
-    # mixflow: the custom VJP of `stored_step` hands θ's cotangent to the Hessian-vector product (`mixflow.backward`)
-    stored = method.checkpoint_dtype or method.checkpoint_offload or method.mode == "mixflow"
-    step = (stored_step if stored else checkpointed_step)(
-        task, method, inner_loss)
 
     def f(meta, inner, batches, outer_batch):
+        chosen = plan_lib.choose(method, jax.tree.leaves(batches)[0].shape[0], task.model)
         start = task.inner_start(meta, inner)
-        if two_steps.applies(method, jax.tree.leaves(batches)[0].shape[0]):
+        if chosen.step == "two_steps":
             value, inner_losses, final = two_steps.run(task, inner_loss)(start, batches, meta, task.frozen, outer_batch)
             return value, OuterAux(final, inner_losses)
-        final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches,
-                                       method.inner_checkpoint, method.unroll, method.peel)
+        step = (stored_step if chosen.step == "stored" else checkpointed_step)(task, method, inner_loss)
+        final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches, chosen.loop,
+                                       method.unroll)
         return task.outer_loss(final[0], meta, outer_batch), OuterAux(final, inner_losses)
 
     return f
@@ -235,22 +235,24 @@ def straight_line(n_steps: int, unroll: bool, peel: bool = True) -> bool:
     return unroll or n_steps <= (2 if peel else 1)
 
 
-def unrolled(step: Callable, carry, batches, schedule: str = "every_step", unroll: bool = False, peel: bool = True):
-    """`lax.scan(step, carry, batches)` with the inner-step checkpoint schedule (see `MetaGradMethod`).
+def unrolled(step: Callable, carry, batches, loop: str = "peeled", unroll: bool = False):
+    """`lax.scan(step, carry, batches)` laid out as `loop` (a `plan.LOOPS` name; `plan.choose` picks it).
 
-    every_step takes the first step before the loop (`peeled`) if `peel`. `unroll`: the steps (of each segment) are
-    traced one after the other, not as a loop. The same arithmetic; what changes is memory: a loop keeps its
-    per-step checkpoints in [T, ...] stacks that live until the loop's backward pass ends, and XLA copies each
-    step's slice out of them; unrolled, each step's checkpoint is its own buffer, freed as soon as that step's
+    `peeled` takes the first step before the loop; `unrolled` traces the steps one after the other, not as a loop
+    (`unroll`: the same within each `sqrt` / `binomial` segment). The same arithmetic; what changes is memory: a loop
+    keeps its per-step checkpoints in [T, ...] stacks that live until the loop's backward pass ends, and XLA copies
+    each step's slice out of them; unrolled, each step's checkpoint is its own buffer, freed as soon as that step's
     backward pass has used it. The program grows with T (compile time too)."""
     n = jax.tree.leaves(batches)[0].shape[0]
-    scan = lambda f, c, b: jax.lax.scan(f, c, b, unroll=unroll)
-    if schedule == "every_step" or n <= 2:
-        return peeled(step, carry, batches, scan) if peel and n >= 2 and not unroll else scan(step, carry, batches)
-    if schedule == "sqrt":
+    scan = lambda f, c, b: jax.lax.scan(f, c, b, unroll=unroll or loop == "unrolled")
+    if loop == "peeled":
+        return peeled(step, carry, batches, scan)
+    if loop in ("scan", "unrolled"):
+        return scan(step, carry, batches)
+    if loop == "sqrt":
         segment = jax.checkpoint(lambda c, b: scan(step, c, b),
                                  policy=jax.checkpoint_policies.nothing_saveable)
-        k = segments(n, schedule)[0]
+        k = segments(n, loop)[0]
         full = n // k  # segments of k steps, scanned; then the remainder as one more segment
         split = jax.tree.map(lambda x: x[:full * k].reshape((full, k) + x.shape[1:]), batches)
         carry, losses = jax.lax.scan(segment, carry, split)

@@ -38,6 +38,12 @@ def seeding(params, seeds, used: set | None = None):
         _TABLE.reset(token)
 
 
+def seedable(model) -> bool:
+    """Whether a block stack of this `ModelConfig` takes gradient seeds: per-block remat with the default policy
+    (the hand-written backward scan rematerialises each block itself)."""
+    return bool(getattr(model, "remat", False)) and getattr(model, "remat_policy", None) == "nothing_saveable"
+
+
 def lookup(stacked) -> list | None:
     """The seed of each leaf of a block stack's state (None where it has none), or None when no leaf has one."""
     current = _TABLE.get()

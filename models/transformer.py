@@ -280,7 +280,7 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.activation_dtype)  # [batch, seq, d_model]
 
         graphdef, stacked = nnx.split(self.blocks)
-        seeds = grad_seed.lookup(stacked) if self.cfg.remat and self.cfg.remat_policy == "nothing_saveable" else None
+        seeds = grad_seed.lookup(stacked) if grad_seed.seedable(self.cfg) else None
         if seeds is not None:  # inside MixFlow's Hessian-vector product: θ̄ + H ḡ accumulated in place
             apply = lambda state, h, pos, seg: nnx.merge(graphdef, state)(h, pos, seg)
             return self.final_norm(grad_seed.scan(apply, x, stacked, seeds, (positions, segment_ids)))

@@ -42,7 +42,7 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
     d = cfg.data
     report = {"topology": topology, "backend": "tpu" if topology else jax.default_backend(),
               "devices": program.mesh.size, "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
-              "model": dataclasses.asdict(cfg.model), "task": cfg.task, "mode": cfg.mode,
+              "model": dataclasses.asdict(cfg.model), "task": cfg.task, "mode": cfg.mode, "plan": program.plan.name,
               "save_inner_grads": cfg.save_inner_grads, "inner_checkpoint": cfg.inner_checkpoint,
               "checkpoint_dtype": cfg.checkpoint_dtype, "checkpoint_offload": cfg.checkpoint_offload,
               "meta_opt_offload": cfg.meta_opt.offload, "meta_opt_offload_params": cfg.meta_opt.offload_params,

@@ -129,6 +129,7 @@ def cmd_compile(args) -> int:
           f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}", flush=True)
     r = compile_report(cfg, args.topology)
+    print(f"meta-gradient: {r['plan']}")
     hbm = f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["hbm_bytes"] else ""
     print(f"mesh {r['mesh']} over {r['devices']} {r['backend']} device(s){hbm}")
     if not r["exact"]:

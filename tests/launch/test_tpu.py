@@ -124,9 +124,10 @@ def test_compile_reports_what_does_not_fit(capsys, monkeypatch, tmp_path):
     G, hbm = 2**30, 95.74 * 2**30
     refusal = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, ... (96.82G) exceeds available HBM (95.74G)."
     over = {"mesh": {"data": 1, "fsdp": 1}, "devices": 1, "backend": "tpu", "hbm_bytes": hbm, "exact": True,
+            "plan": "two_steps+peeled+seeded",
             "argument_bytes": 1 * G, "output_bytes": G, "alias_bytes": G, "temp_bytes": 96.3 * G,
             "peak_bytes": 97.3 * G, "fits": False, "refused_bytes": 96.82 * G, "message": refusal}
-    failed = {k: over[k] for k in ("mesh", "devices", "backend", "hbm_bytes", "refused_bytes", "message")} | {
+    failed = {k: over[k] for k in ("mesh", "devices", "backend", "hbm_bytes", "plan", "refused_bytes", "message")} | {
         "exact": False, "fits": False, "peak_bytes": None}
     flags = ["compile", "--topology", "v5p:1x1x1", "--model", "44m", "--n-layers", "1", "--mode", "default"]
     for report, lines in ((over, ["per-device memory: argument 1.000 GiB, output 1.000 GiB, alias 1.000 GiB, "

@@ -140,6 +140,7 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     (bench,) = json.loads((tmp_path / "m.json").read_text())
     keys = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
     assert trainer["mode"] == "mixflow" and trainer["alias_bytes"] > 0  # the state is donated
+    assert trainer["plan"] == "two_steps+peeled"  # T=2, saved gradients; no block remat in the default preset
     assert [trainer[k] for k in keys] == [compiled[k] for k in keys] == [bench[k] for k in keys]
     # a different program is told apart: block remat on changes the temporaries
     assert cli.main(["compile", *model_flags, "--json", str(tmp_path / "other.json"), *same_run]) == 0

@@ -16,21 +16,6 @@ from metatrain.step import random_batches
 from metatrain.unroll import MetaGradMethod, outer_loss
 
 
-@pytest.mark.parametrize("method, n, applies", [
-    (MetaGradMethod(), 2, True),
-    (MetaGradMethod(inner_checkpoint="sqrt"), 2, True),  # at two steps every schedule keeps both
-    (MetaGradMethod(), 3, False),
-    (MetaGradMethod(mode="default"), 2, False),
-    (MetaGradMethod(mode="revfwd"), 2, False),
-    (MetaGradMethod(save_inner_grads=False), 2, False),
-    (MetaGradMethod(unroll=True), 2, False),
-    (MetaGradMethod(checkpoint_dtype="bfloat16"), 2, False),
-    (MetaGradMethod(checkpoint_offload=True), 2, False),
-])
-def test_applies(method, n, applies):
-    assert two_steps.applies(method, n) is applies
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("task_name", ["learned_lr", "maml"])  # learned_lr: the inner update depends on η
 def test_all_outputs_differentiate_as_autodiff(task_name, monkeypatch):

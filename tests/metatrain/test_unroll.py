@@ -20,14 +20,14 @@ def inner_loss(theta, eta, x):
     return jnp.sum(jnp.exp(eta) * jnp.tanh(x @ theta) ** 2) + 0.5 * jnp.sum(theta**2) * eta.sum()
 
 
-def outer(eta, theta0, xs, schedule, mode, unroll=False):
+def outer(eta, theta0, xs, loop, mode, unroll=False):
     vg = mixflow.value_and_grad(inner_loss, mode)
 
     def step(theta, x):
         loss, g = vg(theta, eta, x)
         return theta - 0.1 * g, loss
 
-    theta, losses = unrolled(jax.checkpoint(step), theta0, xs, schedule, unroll)
+    theta, losses = unrolled(jax.checkpoint(step), theta0, xs, loop, unroll)
     return jnp.sum(theta**3) + 0.1 * losses.sum()
 
 
@@ -38,27 +38,27 @@ def test_same_meta_gradient_as_every_step(n_steps, schedule, mode):
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
     xs = jax.random.normal(k3, (n_steps, 5, 4))
-    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "every_step", "default")
+    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "peeled", "default")
     got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, schedule, mode)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
     value = lambda s: float(outer(eta, theta0, xs, s, mode))
-    assert value(schedule) == pytest.approx(value("every_step"), rel=1e-14)
+    assert value(schedule) == pytest.approx(value("peeled"), rel=1e-14)
 
 
-@pytest.mark.parametrize("schedule", ["every_step", "sqrt"])
-def test_unrolled_steps_give_the_same_meta_gradient(schedule):
+@pytest.mark.parametrize("loop", ["unrolled", "sqrt"])
+def test_unrolled_steps_give_the_same_meta_gradient(loop):
     """`unroll`: the inner steps traced one after the other (no loop, no [T, ...] checkpoint stacks) compute the
     loop's meta-gradient; the program differs (no while loop left)."""
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
     eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
     xs = jax.random.normal(k3, (5, 5, 4))
     grad = jax.grad(outer, argnums=(0, 1))
-    ref = grad(eta, theta0, xs, "every_step", "default")
-    for r, g in zip(ref, grad(eta, theta0, xs, schedule, "mixflow", True)):
+    ref = grad(eta, theta0, xs, "peeled", "default")
+    for r, g in zip(ref, grad(eta, theta0, xs, loop, "mixflow", True)):
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
     loops = lambda unroll: jax.jit(grad, static_argnums=(3, 4, 5)).lower(
-        eta, theta0, xs, "every_step", "mixflow", unroll).as_text().count("stablehlo.while")
+        eta, theta0, xs, "unrolled" if unroll else "scan", "mixflow", unroll).as_text().count("stablehlo.while")
     assert loops(False) > 0 and loops(True) == 0
 
 
@@ -86,8 +86,8 @@ def test_every_step_takes_the_first_step_before_the_loop(n_steps, mode):
         return jnp.sum(theta**3) + 0.1 * sum(losses)
 
     ref = jax.grad(python_loop, argnums=(0, 1))(eta, theta0, xs)
-    got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "every_step", mode)
+    got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "peeled", mode)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
-    jaxpr = jax.make_jaxpr(outer, static_argnums=(3, 4))(eta, theta0, xs, "every_step", mode)
+    jaxpr = jax.make_jaxpr(outer, static_argnums=(3, 4))(eta, theta0, xs, "peeled", mode)
     assert [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"] == [n_steps - 1]
