@@ -27,7 +27,7 @@ def compiled_memory(compiled) -> dict:
     chip's HBM when it decides whether a program fits. libtpu's `temp_size_in_bytes` counts more than that
     assignment holds (on loops over stacked buffers, up to half as much again), so arguments + outputs - aliased + temp
     overstates the peak there; it is kept as `temp_sum_bytes`. libtpu's `peak_memory_in_bytes` also adds the
-    arguments and outputs placed in host memory (e.g. `meta_opt.offload`'s moments), which are not in the HBM:
+    arguments and outputs placed in host memory (e.g. `meta_opt.offload_moments`'s moments), which are not in the HBM:
     they are taken out again (`host_io_bytes`). Elsewhere (CPU) the peak is that sum."""
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -1,4 +1,4 @@
-"""`mode: auto` and `inner_checkpoint: auto`: compile every candidate outer step ahead of time, keep the lowest peak.
+"""`metagrad.mode=auto` and `metagrad.kept_states=auto`: compile every candidate outer step, keep the lowest peak.
 
 The candidates are the run's own program (`step.meta_program`) in each meta-gradient mode and/or with
 each inner-checkpoint schedule (every_step, sqrt). All of them compute the same meta-gradient
@@ -24,20 +24,20 @@ SCHEDULES = ("every_step", "sqrt")
 
 def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program, jax.stages.Compiled]:
     """(the choice with every candidate's figures, the chosen program, its compiled outer step)."""
-    modes = MODES if cfg.mode == AUTO else (cfg.mode,)
-    schedules = SCHEDULES if cfg.inner_checkpoint == AUTO else (cfg.inner_checkpoint,)
+    modes = MODES if cfg.metagrad.mode == AUTO else (cfg.metagrad.mode,)
+    schedules = SCHEDULES if cfg.metagrad.kept_states == AUTO else (cfg.metagrad.kept_states,)
     figures, built = {}, {}
     for mode, schedule in itertools.product(modes, schedules):
         program = step_lib.meta_program(cfg, mesh, mode, schedule)
         compiled = aot.compile(step_lib.lower(program))
         m = compiled_memory(compiled)
         name = mode if len(schedules) == 1 else f"{mode}+{schedule}"
-        figures[name] = {"mode": mode, "inner_checkpoint": schedule, "peak_bytes": m["peak_bytes"], "flops": m["flops"]}
+        figures[name] = {"mode": mode, "kept_states": schedule, "peak_bytes": m["peak_bytes"], "flops": m["flops"]}
         built[name] = (program, compiled)
     lowest = min(f["peak_bytes"] for f in figures.values())
     tied = [name for name, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest]
     best = min(tied, key=lambda name: figures[name]["flops"])
-    choice = {"mode": figures[best]["mode"], "inner_checkpoint": figures[best]["inner_checkpoint"],
+    choice = {"mode": figures[best]["mode"], "kept_states": figures[best]["kept_states"],
               "candidates": figures}
     return choice, *built[best]
 
@@ -46,4 +46,4 @@ def describe(choice: dict) -> str:
     """One line: every candidate's peak and FLOPs, and the choice."""
     return "auto: " + "; ".join(f"{n} peak {f['peak_bytes'] / 2**20:,.1f} MiB, {f['flops'] / 1e9:,.2f} GFLOPs"
                                 for n, f in choice["candidates"].items()) + (
-        f" -> mode={choice['mode']} inner_checkpoint={choice['inner_checkpoint']}")
+        f" -> metagrad.mode={choice['mode']} metagrad.kept_states={choice['kept_states']}")

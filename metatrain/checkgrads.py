@@ -56,7 +56,7 @@ def _float64(fn: Callable) -> Callable:
 @_float64
 def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: int = 0, directions: int = 3,
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
-                perturb: float = 0.05, modes=MODES, inner_checkpoint: str = "every_step",
+                perturb: float = 0.05, modes=MODES, kept_states: str = "every_step",
                 only: list[Variant] | None = None, progress: Callable = lambda it, **_: it,
                 lora: LoRAConfig | None = None, meta_model: ModelConfig | None = None) -> list[Result]:
     """Every variant's meta-gradient (`modes` x remat x save, or just the variants in `only`) against plain
@@ -67,7 +67,7 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         raise ConfigError(f"--modes: unknown mode(s) {sorted(unknown)}; choose from {MODES}")
     if any("bf16" in v.model_options for v in only or ()):
         raise ConfigError("--variants: check-grads runs in float64, so +bf16 does not apply; drop it")
-    moved = sorted({o for v in only or () for o, on in (("+offload_opt", v.offload_opt),
+    moved = sorted({o for v in only or () for o, on in (("+offload_moments", v.offload_moments),
                                                          ("+offload_params", v.offload_params)) if on})
     if moved:
         raise ConfigError(f"--variants: {' and '.join(moved)} moves the meta-optimizer's state or η between steps, not "
@@ -91,21 +91,21 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     # makes V(η) far from smooth for some tasks, so no single step suits all: for each direction we
     # take steps eps, eps/√10, ..., and keep the estimate whose neighbour agrees with it best (an
     # estimate of its own error that never looks at the gradient under test).
-    value = jax.jit(lambda m, fr: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("default", False))(
+    value = jax.jit(lambda m, fr: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("autodiff", False))(
         m, inner, batches, outer_batch)[0])
     dirs = jax.random.normal(k_dir, (directions, flat.size), flat.dtype)
     dirs = dirs / jnp.linalg.norm(dirs, axis=1, keepdims=True)
     fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen), eps) for u in dirs])
 
     results, ref = [], None
-    plain = Variant("default", False, False)  # the reference: plain reverse-over-reverse, every step kept
-    todo = [plain] + [v for v in (only or variants(modes, inner_checkpoint)) if v != plain]
+    plain = Variant("autodiff", False, False)  # the reference: plain reverse-over-reverse, every step kept
+    todo = [plain] + [v for v in (only or variants(modes, kept_states)) if v != plain]
     for v in progress(todo, desc="variants"):
         m = v.model(model)  # +blockwise applies; +chunked_ce in chunks that leave a remainder (S=8: 3, 3, 2)
         m = m.replace(loss_chunk=max(1, 2 * data.seq_len // 5)) if m.loss_chunk else m
         task = build(m, remat=v.remat)
-        method = dataclasses.replace(v.method, checkpoint_dtype="float64") if v.checkpoint_dtype else v.method
-        # (+offload runs as is: on CPU host memory is the same memory, so this checks its backward pass exactly)
+        method = dataclasses.replace(v.method, state_dtype="float64") if v.state_dtype else v.method
+        # (+offload_states runs as is: on CPU host memory is the same memory: this checks its backward pass exactly)
         grad_fn = jax.jit(lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr),
                                                                                           method)(*args))
         _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)

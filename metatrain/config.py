@@ -25,9 +25,14 @@ from metatrain.errors import ConfigError, TaskError
 from metatrain.mixflow import MODES
 from metatrain.models import LoRAConfig, ModelConfig, preset
 from metatrain.tasks import task_class
-from metatrain.unroll import INNER_CHECKPOINTS, NARROW_NEEDS_SAVE
+from metatrain.unroll import KEPT_STATES, NARROW_NEEDS_SAVE
 
 USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
+# keys of earlier versions, refused with their new names
+RENAMED = {"mode": "metagrad.mode", "save_inner_grads": "metagrad.save_inner_grads",
+           "inner_checkpoint": "metagrad.kept_states", "checkpoint_dtype": "metagrad.state_dtype",
+           "checkpoint_offload": "metagrad.offload_states", "inner_unroll": "metagrad.unroll",
+           "meta_opt.offload": "meta_opt.offload_moments"}
 AUTO = "auto"
 
 
@@ -41,10 +46,23 @@ class MetaOptConfig:
     eps: float = 1e-8  # Adam's denominator floor
     # its moments (matrices and up) in host memory between outer steps, on the device only for the update at the
     # step's end, when the backward pass's buffers are free (TPU/GPU; no gain on CPU)
-    offload: bool = False
+    offload_moments: bool = False
     # η's matrices too: on the device at the step's start (the inner loop's first step reads them) and for the
-    # update; saves η's bytes at the peak when the first step's checkpoint is not η itself (checkpoint_offload)
+    # update; saves η's bytes at the peak when the first step's checkpoint is not η itself (offload_states)
     offload_params: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaGradConfig:
+    """How the meta-gradient is computed: the fields of `unroll.MetaGradMethod`, where `auto` compiles each choice
+    and keeps the lowest peak memory."""
+
+    mode: str = "mixflow"  # mixflow (forward-over-reverse) | autodiff (reverse-over-reverse) | revfwd | auto
+    save_inner_grads: bool = True  # keep each inner gradient for the backward pass instead of recomputing it
+    kept_states: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
+    state_dtype: str = ""  # "" (as computed) | bfloat16: the dtype kept states and saved gradients are stored in
+    offload_states: bool = False  # keep them in host memory until the backward pass (TPU/GPU; no gain on CPU)
+    unroll: bool = False  # the inner steps as straight-line code, not a loop: each kept state freed once used
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +114,7 @@ class Config:
     inner_lr: float = 1e-3
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     meta_model: MetaModelConfig = dataclasses.field(default_factory=MetaModelConfig)
-    mode: str = "mixflow"  # default | mixflow | revfwd | auto (compile each, keep the lowest peak memory)
-    save_inner_grads: bool = True
-    inner_checkpoint: str = "every_step"  # every_step | sqrt | binomial | auto: inner states kept for the backward pass
-    checkpoint_dtype: str = ""  # "" (as computed) | bfloat16: the dtype those states and saved gradients are kept in
-    checkpoint_offload: bool = False  # keep them in host memory until the backward pass (TPU/GPU; no gain on CPU)
-    inner_unroll: bool = False  # the inner steps as straight-line code, not a loop: each checkpoint freed once used
+    metagrad: MetaGradConfig = dataclasses.field(default_factory=MetaGradConfig)
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -117,7 +130,7 @@ class Config:
     max_bad_steps: int = 5  # stop after this many non-finite meta-gradients in a row
 
 
-CHECKPOINT_DTYPES = ("", "float32", "bfloat16")
+STATE_DTYPES = ("", "float32", "bfloat16")
 
 
 def presets() -> dict[str, str]:
@@ -137,14 +150,16 @@ def _positive(value: float, field: str, minimum: float = 0.0, strict: bool = Tru
 
 
 def validate(cfg: Config) -> Config:
-    _check(cfg.mode in MODES + (AUTO,), "mode", f"{cfg.mode!r} is not one of {MODES + (AUTO,)}")
-    _check(cfg.inner_checkpoint in INNER_CHECKPOINTS + (AUTO,), "inner_checkpoint",
-           f"{cfg.inner_checkpoint!r} is not one of {INNER_CHECKPOINTS + (AUTO,)}")
-    _check(cfg.checkpoint_dtype in CHECKPOINT_DTYPES, "checkpoint_dtype",
-           f"{cfg.checkpoint_dtype!r} is not one of {CHECKPOINT_DTYPES} ('' keeps the per-step checkpoint as "
-           "computed; bfloat16 halves it)")
-    _check(cfg.checkpoint_dtype != "bfloat16" or cfg.save_inner_grads, "checkpoint_dtype",
-           NARROW_NEEDS_SAVE.removeprefix("checkpoint_dtype: "))
+    g = cfg.metagrad
+    _check(g.mode != "default", "metagrad.mode", "'default' is now called autodiff (reverse-over-reverse)")
+    _check(g.mode in MODES + (AUTO,), "metagrad.mode", f"{g.mode!r} is not one of {MODES + (AUTO,)}")
+    _check(g.kept_states in KEPT_STATES + (AUTO,), "metagrad.kept_states",
+           f"{g.kept_states!r} is not one of {KEPT_STATES + (AUTO,)}")
+    _check(g.state_dtype in STATE_DTYPES, "metagrad.state_dtype",
+           f"{g.state_dtype!r} is not one of {STATE_DTYPES} ('' keeps the inner states as computed; bfloat16 "
+           "halves them)")
+    _check(g.state_dtype != "bfloat16" or g.save_inner_grads, "metagrad.state_dtype",
+           NARROW_NEEDS_SAVE.removeprefix("metagrad.state_dtype: "))
     for name, minimum in (("steps", 1), ("eval_batches", 1), ("log_every", 1), ("keep_checkpoints", 1),
                           ("max_bad_steps", 1), ("checkpoint_every", 0), ("eval_every", 0)):
         value = getattr(cfg, name)
@@ -269,6 +284,21 @@ def _dotlist(overrides) -> OmegaConf:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def _keys(node, prefix: str = "") -> list[str]:
+    """The dotted keys of a YAML mapping, groups and leaves."""
+    out = []
+    for key, value in (node.items() if OmegaConf.is_dict(node) else ()):
+        out.append(prefix + str(key))
+        out += _keys(value, f"{prefix}{key}.") if OmegaConf.is_dict(value) else []
+    return out
+
+
+def _refuse_renamed(keys, where: str = "") -> None:
+    for key in keys:
+        if key in RENAMED:
+            raise ConfigError(f"{key}: renamed to {RENAMED[key]}{where}; write {RENAMED[key]}=... instead")
+
+
 def override_key(override: str) -> str:
     """The key a `key=value` override sets (`data.batch` of ` data.batch=2`)."""
     return override.split("=")[0].strip()
@@ -286,11 +316,13 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
                 raise ConfigError(f"preset: no config {preset!r}; choose one of {sorted(presets())} or give a .yaml "
                                   "path")
             preset_cfg = OmegaConf.create(text)
+            _refuse_renamed(_keys(preset_cfg), f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             merged = OmegaConf.merge(merged, preset_cfg)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
+        _refuse_renamed([override_key(o) for o in overrides])
         merged = OmegaConf.merge(merged, _dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except ConfigError:

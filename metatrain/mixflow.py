@@ -3,7 +3,7 @@
 `value_and_grad(loss_fn, mode)` returns `f(params, *inputs) -> (loss, dloss/dparams)`. The forward
 value is the same in every mode; what differs is how the *outer* reverse pass differentiates it:
 
-- `default`: plain autodiff, i.e. reverse-over-reverse (Algorithm 1).
+- `autodiff`: plain autodiff, i.e. reverse-over-reverse (Algorithm 1).
 - `mixflow`: a custom VJP whose backward pass is a JVP of the gradient (forward-over-reverse).
   By symmetry of second derivatives, the incoming cotangent `v` maps to `H v` (Hessian-vector
   product, Eq. 7) for `params` and to `M v` (mixed-derivative product, Eq. 8) for every
@@ -30,7 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 from metatrain.errors import ConfigError
 from metatrain.models import grad_seed
 
-MODES = ("default", "mixflow", "revfwd")
+MODES = ("autodiff", "mixflow", "revfwd")
 
 
 def _is_float(x) -> bool:
@@ -75,9 +75,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
     """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`. `frozen_argnums`:
     positions in `inputs` that get no cotangent (never differentiated)."""
     if mode not in MODES:
-        raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
+        raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
     plain = jax.value_and_grad(loss_fn)
-    if mode == "default":
+    if mode == "autodiff":
         return plain
     vjp = backward(loss_fn, mode, frozen_argnums)
 
@@ -111,7 +111,7 @@ def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
     `value_and_grad`'s custom VJP is this; a caller holding the primal gradient already (e.g. a saved inner
     gradient) calls it directly."""
     if mode not in MODES:
-        raise ConfigError(f"mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
+        raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
 
     def vjp(params, inputs, ct_loss, ct_grad, ct_params=None):
         floats, rebuild, cotangents = _split_floats(inputs, frozen_argnums)
@@ -122,7 +122,7 @@ def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
         if mode == "mixflow" and ct_params is not None:
             return _seeded_mixflow(loss_fn, params, floats, rebuild, cotangents, ct_loss, ct_grad, ct_params)
 
-        if mode == "default":  # reverse-over-reverse
+        if mode == "autodiff":  # reverse-over-reverse
             (value, _), pullback = jax.vjp(jax.value_and_grad(loss_of), params, floats)
             d_params, d_inputs = pullback((jnp.zeros_like(value) if ct_loss is None else ct_loss, ct_grad))
         elif mode == "mixflow":

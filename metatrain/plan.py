@@ -49,17 +49,17 @@ def choose(method, n_steps: int, model=None) -> Plan:
     Returns:
       A `Plan`.
     """
-    if method.inner_checkpoint == "every_step" or n_steps <= 2:
+    if method.kept_states == "every_step" or n_steps <= 2:
         if method.unroll:
             loop = "unrolled"
         else:
             loop = "peeled" if method.peel and n_steps >= 2 else "scan"
     else:
-        loop = method.inner_checkpoint
+        loop = method.kept_states
     if (n_steps == 2 and loop == "peeled" and method.mode == "mixflow" and method.save_inner_grads
-            and not method.checkpoint_dtype):
+            and not method.state_dtype):
         step = "two_steps"
-    elif method.mode == "mixflow" or method.checkpoint_dtype or method.checkpoint_offload:
+    elif method.mode == "mixflow" or method.state_dtype or method.offload_states:
         step = "stored"  # its custom VJP hands θ's cotangent to the HVP, and stores the state as asked
     else:
         step = "checkpointed"

@@ -13,7 +13,7 @@ State is a dict pytree: `step`, `meta` (η), `meta_opt`, `inner` (θ, υ) carrie
 on the same batches with η frozen (`Task.baseline_meta`; for loss weighting: exactly uniform weights).
 Under LoRA `frozen` holds the base weights: an FSDP-sharded argument of the step, returned unchanged
 (donated, so aliased: no copy), never differentiated, and not written to checkpoints (`checkpointed`).
-With `meta_opt.offload` the meta-optimizer state's matrices live in host memory (`Program.state_shardings`)
+With `meta_opt.offload_moments` the meta-optimizer state's matrices live in host memory (`Program.state_shardings`)
 and are copied to the device for the meta-update only; with `meta_opt.offload_params` η's matrices too, copied
 in at the step's start (the inner loop starts from them) and again for the update.
 """
@@ -96,10 +96,10 @@ def on_device(tree):
 
 
 def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformation, state: State,
-               batches: dict, outer_batch: dict, offload_meta_opt: bool = False,
+               batches: dict, outer_batch: dict, offload_moments: bool = False,
                offload_params: bool = False) -> tuple[State, dict]:
     """T inner steps, the outer loss, its meta-gradient and the meta-update. The update is kept only when the
-    loss, the meta-gradient and the updated η and meta-optimizer state are all finite. `offload_meta_opt`: the
+    loss, the meta-gradient and the updated η and meta-optimizer state are all finite. `offload_moments`: the
     meta-optimizer state arrives in host memory and is brought to the device for the update only (`lower`'s
     shardings send the new one back); `offload_params`: η's matrices too, brought in for the inner loop and again
     for the update."""
@@ -112,7 +112,7 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
     # before the backward pass is done (as a plain transfer, the TPU compiler starts it at the program's start and
     # holds it throughout). η's first copy is freed once the forward pass no longer reads it, unless the backward
     # pass keeps it.
-    if offload_meta_opt:
+    if offload_moments:
         opt_state = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, opt_state)
     if offload_params:
         meta = jax.lax.cond(jnp.isfinite(grad_norm), to_device, to_device, state["meta"])
@@ -167,7 +167,7 @@ class Program:
     data: DataConfig
     meta_opt: optax.GradientTransformation | None = None  # None for plain (pre)training
     method: MetaGradMethod | None = None
-    offload_meta_opt: bool = False  # the meta-optimizer state's matrices live in host memory between steps
+    offload_moments: bool = False  # the meta-optimizer state's matrices live in host memory between steps
     offload_params: bool = False  # and η's
 
     @property
@@ -182,7 +182,7 @@ class Program:
     @functools.cached_property
     def state_shardings(self) -> State:
         shardings = tree_shardings(self.state_shapes, self.mesh)
-        if self.offload_meta_opt:
+        if self.offload_moments:
             shardings["meta_opt"] = host_placed(shardings["meta_opt"], self.state_shapes["meta_opt"])
         if self.offload_params:
             shardings["meta"] = host_placed(shardings["meta"], self.state_shapes["meta"])
@@ -190,18 +190,20 @@ class Program:
 
 
 def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
-                 inner_checkpoint: str | None = None) -> Program:
+                 kept_states: str | None = None) -> Program:
     """The meta-training program of a run config (the one place config becomes task, optimizer and method).
-    `mode` / `inner_checkpoint` override the config's (mode=auto tries each); `cfg.model` is used as given."""
+    `mode` / `kept_states` override the config's (mode=auto tries each); `cfg.model` is used as given."""
     task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
-    method = MetaGradMethod(mode or cfg.mode, cfg.save_inner_grads, inner_checkpoint or cfg.inner_checkpoint,
-                            cfg.checkpoint_dtype, cfg.checkpoint_offload, cfg.inner_unroll)
+    g = cfg.metagrad
+    method = MetaGradMethod(mode or g.mode, g.save_inner_grads, kept_states or g.kept_states, g.state_dtype,
+                            g.offload_states, g.unroll)
+    o = cfg.meta_opt
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
-                   step=functools.partial(outer_step, task, method, meta_opt, offload_meta_opt=cfg.meta_opt.offload,
-                                          offload_params=cfg.meta_opt.offload_params),
-                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_meta_opt=cfg.meta_opt.offload,
-                   offload_params=cfg.meta_opt.offload_params)
+                   step=functools.partial(outer_step, task, method, meta_opt, offload_moments=o.offload_moments,
+                                          offload_params=o.offload_params),
+                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_moments=o.offload_moments,
+                   offload_params=o.offload_params)
 
 
 def task_arguments(cfg: Config) -> dict:

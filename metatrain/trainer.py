@@ -110,9 +110,9 @@ class Trainer:
         return program
 
     def _compile(self, program: step_lib.Program) -> tuple[step_lib.Program, jax.stages.Compiled]:
-        """The compiled outer step; with mode / inner_checkpoint `auto` the best candidate's (the state's layout
+        """The compiled outer step; with mode / kept_states `auto` the best candidate's (the state's layout
         is the same for every candidate: they differ in how the meta-gradient is computed)."""
-        if AUTO not in (self.cfg.mode, self.cfg.inner_checkpoint):
+        if AUTO not in (self.cfg.metagrad.mode, self.cfg.metagrad.kept_states):
             return program, aot.compile(step_lib.lower(program))
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:

@@ -4,8 +4,8 @@ T inner steps run in a `lax.scan` (the first one before it, see `peeled`). Each 
 (`jax.checkpoint`): its activations are recomputed in the backward pass, so the outer backward pass holds
 only the per-step inner state (θ_i, υ_i), plus, with `save_inner_grads`, the inner gradients ∇L_i (named
 `inner_grads` and kept by the checkpoint policy), which saves one inner backward pass per step at meta-gradient time.
-With `checkpoint_dtype` (e.g. bfloat16) those per-step states and gradients are stored in that dtype
-instead, and with `checkpoint_offload` in host memory (`stored_step`): the inner loop itself, the
+With `state_dtype` (e.g. bfloat16) those per-step states and gradients are stored in that dtype
+instead, and with `offload_states` in host memory (`stored_step`): the inner loop itself, the
 backward pass and the meta-gradient stay in the compute dtype and on the device.
 """
 
@@ -27,7 +27,7 @@ from metatrain.errors import ConfigError
 from metatrain.tasks import Task
 
 INNER_GRADS = "inner_grads"
-INNER_CHECKPOINTS = ("every_step", "sqrt", "binomial")
+KEPT_STATES = ("every_step", "sqrt", "binomial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,50 +36,51 @@ class MetaGradMethod:
     the per-step checkpoint, and which inner states are kept. Block remat is a model option
     (`ModelConfig.remat`).
 
-    `inner_checkpoint` says which inner states the forward pass keeps for the backward pass:
+    `kept_states` says which inner states the forward pass keeps for the backward pass:
     `every_step` all T; `sqrt` the starts of ⌈T/k⌉ segments of k = ⌈√T⌉ steps, each segment re-run
     in the backward pass (T extra inner steps); `binomial` recursive halving down to parts of two
     steps, each level re-run (about T·(log2(T) - 1) extra inner steps), keeping O(log T) states at
     any time. Saved inner gradients are kept for the steps of the part being differentiated.
 
-    `checkpoint_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
-    computed); `checkpoint_offload`: they are kept in host memory (pinned_host) until the backward pass needs
+    `state_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
+    computed); `offload_states`: they are kept in host memory (pinned_host) until the backward pass needs
     them; see `stored_step`. `unroll`: the inner steps are traced one after the other instead of as a loop (see
     `unrolled`).
     """
 
     mode: str = "mixflow"
     save_inner_grads: bool = True
-    inner_checkpoint: str = "every_step"
-    checkpoint_dtype: str = ""
-    checkpoint_offload: bool = False
+    kept_states: str = "every_step"
+    state_dtype: str = ""
+    offload_states: bool = False
     unroll: bool = False
 
     @property
     def peel(self) -> bool:
-        """Whether every_step takes the first inner step before the loop (`peeled`): not with `checkpoint_offload`,
+        """Whether every_step takes the first inner step before the loop (`peeled`): not with `offload_states`,
         whose host-memory checkpoints are brought back one loop step at a time (without a loop left, at T=2, the
         compiler brings them back early and the peak grows)."""
-        return not self.checkpoint_offload
+        return not self.offload_states
 
     def __post_init__(self):
         if self.mode not in mixflow.MODES:
-            raise ConfigError(f"mode: unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
-        if self.inner_checkpoint not in INNER_CHECKPOINTS:
-            raise ConfigError(f"inner_checkpoint: unknown schedule {self.inner_checkpoint!r}; "
-                              f"choose one of {INNER_CHECKPOINTS}")
-        if self.checkpoint_dtype and not _float_dtype(self.checkpoint_dtype):
-            raise ConfigError(f"checkpoint_dtype: {self.checkpoint_dtype!r} is not a floating-point dtype; use "
+            raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
+        if self.kept_states not in KEPT_STATES:
+            raise ConfigError(f"metagrad.kept_states: unknown schedule {self.kept_states!r}; "
+                              f"choose one of {KEPT_STATES}")
+        if self.state_dtype and not _float_dtype(self.state_dtype):
+            raise ConfigError(f"metagrad.state_dtype: {self.state_dtype!r} is not a floating-point dtype; use "
                               "bfloat16, or leave it empty to store the per-step checkpoint as computed")
-        if self.checkpoint_dtype and jnp.finfo(self.checkpoint_dtype).bits < 32 and not self.save_inner_grads:
+        if self.state_dtype and jnp.finfo(self.state_dtype).bits < 32 and not self.save_inner_grads:
             raise ConfigError(NARROW_NEEDS_SAVE)
 
 
 # An inner gradient recomputed from rounded parameters is not the one the inner update used, and the inner Adam
 # update's derivative is steep where a gradient is near zero: the meta-gradient came out wrong by its own size.
-NARROW_NEEDS_SAVE = ("checkpoint_dtype: a per-step checkpoint narrower than float32 needs save_inner_grads=true (the "
-                     "inner gradients kept as the inner update used them; recomputed from rounded parameters they "
-                     "make the meta-gradient wrong); set save_inner_grads=true or leave checkpoint_dtype empty")
+NARROW_NEEDS_SAVE = ("metagrad.state_dtype: inner states kept narrower than float32 need "
+                     "metagrad.save_inner_grads=true (the inner gradients kept as the inner update used them; "
+                     "recomputed from rounded parameters they make the meta-gradient wrong); set "
+                     "metagrad.save_inner_grads=true or leave metagrad.state_dtype empty")
 
 
 def _float_dtype(name: str) -> bool:
@@ -138,8 +139,8 @@ def checkpointed_step(task: Task, method: MetaGradMethod, inner_loss: Callable) 
 
 def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Callable:
     """One inner step `(carry, batch, meta, frozen) -> (carry', loss)`, `carry = (θ_i, υ_i)`, whose backward pass
-    keeps only (θ_i, υ_i) and, with `save_inner_grads`, ∇L_i, stored in `method.checkpoint_dtype` (if given) and in
-    host memory (with `method.checkpoint_offload`; XLA moves them out in the forward pass and back in the backward).
+    keeps only (θ_i, υ_i) and, with `save_inner_grads`, ∇L_i, stored in `method.state_dtype` (if given) and in
+    host memory (with `method.offload_states`; XLA moves them out in the forward pass and back in the backward).
 
     Its custom VJP recomputes nothing forward: the cotangent of (θ_i+1, υ_i+1) goes through the VJP of the
     inner update at the stored (∇L_i, θ_i, υ_i), then the cotangent it gives ∇L_i through `mixflow.backward` (the
@@ -149,11 +150,11 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
     the carry's dtype, from the stored values cast back up."""
     plain = jax.value_and_grad(inner_loss)
     vjp = mixflow.backward(inner_loss, method.mode, frozen_argnums=(2,))
-    offload = lambda x: method.checkpoint_offload and offloadable(x)
+    offload = lambda x: method.offload_states and offloadable(x)
 
     def store(tree):
         def one(x):
-            x = x.astype(method.checkpoint_dtype) if method.checkpoint_dtype and mixflow._is_float(x) else x
+            x = x.astype(method.state_dtype) if method.state_dtype and mixflow._is_float(x) else x
             return jax.device_put(x, jax.memory.Space.Host) if offload(x) else x
 
         return jax.tree.map(one, tree)
@@ -206,7 +207,7 @@ def stored_step(task: Task, method: MetaGradMethod, inner_loss: Callable) -> Cal
 
 
 def offloadable(x) -> bool:
-    """Whether `checkpoint_offload` moves a checkpoint leaf to the host: matrices and up. Scalars (Adam's count)
+    """Whether `offload_states` moves a checkpoint leaf to the host: matrices and up. Scalars (Adam's count)
     and vectors (norm scales, biases) stay: the TPU compiler cannot stack a scalar, nor a bfloat16 vector, one
     step at a time in host memory."""
     return x.ndim >= 2

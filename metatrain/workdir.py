@@ -22,11 +22,10 @@ from metatrain.paths import is_remote
 
 # Fields a resumed run may change: how long and how it runs, not what it computes or what its state holds.
 RESUMABLE = ("steps", "workdir", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps",
-             "eval_batches", "eval_every", "mode", "inner_checkpoint", "save_inner_grads", "checkpoint_dtype",
-             "checkpoint_offload", "inner_unroll", "inner_lr",
+             "eval_batches", "eval_every", "inner_lr",
              "inner.init_from", "data.data_dir", "meta_opt.lr", "meta_opt.clip_norm", "meta_opt.eps",
-             "meta_opt.weight_decay", "meta_opt.offload", "meta_opt.offload_params")
-RESUMABLE_GROUPS = ("mesh.", "log.")
+             "meta_opt.weight_decay", "meta_opt.offload_moments", "meta_opt.offload_params")
+RESUMABLE_GROUPS = ("mesh.", "log.", "metagrad.")
 
 
 def config_path(workdir: str) -> str:

@@ -91,7 +91,7 @@ def probes(f: dict) -> list[Probe]:
         ("steps", "0", "steps"), ("inner_lr", "-1", "inner_lr"), ("inner_lr", "nan", "inner_lr"),
         ("meta_opt.lr", "0", "meta_opt.lr"), ("meta_opt.clip_norm", "-1", "meta_opt.clip_norm"),
         ("meta_opt.schedule", "linear", "meta_opt.schedule"), ("mode", "fast", "mode"),
-        ("inner_checkpoint", "every", "inner_checkpoint"), ("checkpoint_dtype", "int8", "checkpoint_dtype"),
+        ("kept_states", "every", "kept_states"), ("state_dtype", "int8", "state_dtype"),
         ("baseline", "both", "baseline"), ("eval_batches", "0", "eval_batches"), ("no_such_key", "1", "no_such_key"),
         ("model.d_model", "abc", "model.d_model"), ("data.batch", "0", "data.batch"), ("data.seq_len", "-4", "seq_len"),
         ("data.outer_every", "1", "outer_every"), ("data.corrupt_fraction", "1.5", "corrupt_fraction"),
@@ -121,8 +121,8 @@ def probes(f: dict) -> list[Probe]:
         out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
     out.append(Probe("cosine warmup past the run", train("meta_opt.schedule=cosine", "meta_opt.warmup_steps=5"),
                      "warmup_steps"))
-    out.append(Probe("bf16 checkpoint without saved gradients", train("checkpoint_dtype=bfloat16",
-                                                                      "save_inner_grads=false"), "checkpoint_dtype"))
+    out.append(Probe("bf16 kept states without saved gradients",
+                     train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 
     # paths given relative or under ~ (a copy of the run and a link to the export dir in the probe's folder)
     def local_copies(d):

@@ -142,13 +142,13 @@ def test_help_is_built_from_the_constants(capsys):
     from metatrain.mixflow import MODES
     from metatrain.models import SMALL_PRESETS
     from metatrain.tasks import BUILTIN
-    from metatrain.unroll import INNER_CHECKPOINTS
+    from metatrain.unroll import KEPT_STATES
 
     with pytest.raises(SystemExit):
         cli.main(["check-grads", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert " | ".join(BUILTIN) in text and ", ".join(MODES) in text
-    assert "{" + ",".join(INNER_CHECKPOINTS) + "}" in text and ", ".join(SMALL_PRESETS) in text
+    assert "{" + ",".join(KEPT_STATES) + "}" in text and ", ".join(SMALL_PRESETS) in text
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "README.md" in capsys.readouterr().out

@@ -42,10 +42,11 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
     d = cfg.data
     report = {"topology": topology, "backend": "tpu" if topology else jax.default_backend(),
               "devices": program.mesh.size, "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
-              "model": dataclasses.asdict(cfg.model), "task": cfg.task, "mode": cfg.mode, "plan": program.plan.name,
-              "save_inner_grads": cfg.save_inner_grads, "inner_checkpoint": cfg.inner_checkpoint,
-              "checkpoint_dtype": cfg.checkpoint_dtype, "checkpoint_offload": cfg.checkpoint_offload,
-              "meta_opt_offload": cfg.meta_opt.offload, "meta_opt_offload_params": cfg.meta_opt.offload_params,
+              "model": dataclasses.asdict(cfg.model), "task": cfg.task,
+              "mode": cfg.metagrad.mode, "plan": program.plan.name,
+              "save_inner_grads": cfg.metagrad.save_inner_grads, "kept_states": cfg.metagrad.kept_states,
+              "state_dtype": cfg.metagrad.state_dtype, "offload_states": cfg.metagrad.offload_states,
+              "offload_moments": cfg.meta_opt.offload_moments, "offload_params": cfg.meta_opt.offload_params,
               "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
     start = time.perf_counter()
     compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology is not None, options=options)

@@ -60,30 +60,30 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     program, d = built[0], cfg.data
     state, mesh = program.state_shapes, program.mesh
     theta, opt_state = jax.eval_shape(program.task.inner_start, state["meta"], state["inner"])
-    stored = lambda tree: tree if not variant.checkpoint_dtype else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, variant.checkpoint_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+    stored = lambda tree: tree if not variant.state_dtype else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, variant.state_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, tree)  # the per-step checkpoint's dtype (+bf16_state)
-    kept = segments(d.inner_steps, variant.inner_checkpoint)
+    kept = segments(d.inner_steps, variant.kept_states)
     peel = variant.method.peel  # the first step's (θ, υ) are the outer step's inputs (`unroll.peeled`)
 
     def checkpoint_bytes(select=lambda x: True):
-        """per-step checkpoints: (T - 1) x (θ, υ) (T x with +offload: not peeled) [+ T x ∇L]; with a
+        """kept states: (T - 1) x (θ, υ) (T x with +offload_states: not peeled) [+ T x ∇L]; with a
         schedule the (θ, υ) at each segment start (re-run parts are dynamic memory); of the leaves `select` picks"""
         params = _on_device(stored(theta), mesh, select)
         per_step = params + _on_device(stored(opt_state), mesh, select)
         grads = d.inner_steps * params if variant.save and len(kept) == d.inner_steps else 0
-        return kept_states(d.inner_steps, variant.inner_checkpoint, peel) * per_step + grads
+        return kept_states(d.inner_steps, variant.kept_states, peel) * per_step + grads
 
     checkpoints = checkpoint_bytes()
-    # +offload: on a TPU the checkpoints' matrices are in host memory (memory_analysis' host temp), not in the
+    # +offload_states: on a TPU the kept states' matrices are in host memory (memory_analysis' host temp), not in the
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
-    offloaded = checkpoint_bytes(offloadable) if variant.offload and topology else 0
-    # +offload_opt: the meta-optimizer's matrices are host-memory arguments there (the same rule)
-    opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_opt and topology else 0
+    offloaded = checkpoint_bytes(offloadable) if variant.offload_states and topology else 0
+    # +offload_moments: the meta-optimizer's matrices are host-memory arguments there (the same rule)
+    opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_moments and topology else 0
     # +offload_params: η's matrices too
     params_offloaded = _on_device(state["meta"], mesh, offloadable) if variant.offload_params and topology else 0
     row = identity(cfg, variant, topology) | {
-        "inner_checkpoint": variant.inner_checkpoint, "inner_peeled": peel,
+        "kept_states": variant.kept_states, "inner_peeled": peel,
         "param_bytes": _on_device(state["meta"], mesh) - params_offloaded, "offloaded_param_bytes": params_offloaded,
         "meta_opt_bytes": _on_device(state["meta_opt"], mesh) - opt_offloaded,
         "offloaded_opt_bytes": opt_offloaded,
@@ -165,7 +165,7 @@ def job_key(cfg: Config, variant: Variant, topology: str | None) -> tuple:
     return row_key(identity(cfg, variant, topology))
 
 
-def run(configs: list[Config], variant_list: list[Variant], baseline: str = "default+remat",
+def run(configs: list[Config], variant_list: list[Variant], baseline: str = "autodiff+remat",
         topology: str | None = None, progress: Callable = lambda it, **_: it,
         with_breakdown: bool = False, done: list[dict] = (), save: Callable[[list[dict]], None] | None = None
         ) -> list[dict]:

@@ -15,11 +15,11 @@ from metatrain.unroll import kept_states
 # transformer"), TPU HBM in G, each row (mixed mode, block remat, save grads) by our variant name. The tables
 # state no task, batch, sequence length or T; the setting we put them beside (MAML, B=4 and T=2 as for its
 # Figs. 7-8, S=2048) is our assumption.
-ABLATION = ("default", "default+save", "default+remat", "default+remat+save", "mixflow", "mixflow+save",
+ABLATION = ("autodiff", "autodiff+save", "autodiff+remat", "autodiff+remat+save", "mixflow", "mixflow+save",
             "mixflow+remat", "mixflow+remat+save")
 PAPER_ABLATION_TPU = {"44m": dict(zip(ABLATION, (70.2, 45.8, 32.8, 34.1, 45.1, 45.5, 12.7, 12.9))),
                       "489m": dict(zip(ABLATION, (273.9, 176.6, 123.7, 130.8, 168.1, 176.8, 43.8, 46.9)))}
-PAPER_TPU = {name: (t["default+remat"], t["mixflow+remat+save"]) for name, t in PAPER_ABLATION_TPU.items()}
+PAPER_TPU = {name: (t["autodiff+remat"], t["mixflow+remat+save"]) for name, t in PAPER_ABLATION_TPU.items()}
 PAPER_CONFIG = {"task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2}
 
 
@@ -30,10 +30,10 @@ def _paper_setting(row: dict) -> bool:
 
 def ablation_comparison(rows: list[dict], name: str) -> str:
     """The ablation grid (mode x remat x save) of one model beside the paper's Table 2 / Table 3 (TPU HBM), each
-    side's peak ratio against its own `default+remat` row (the paper's "- + -")."""
+    side's peak ratio against its own `autodiff+remat` row (the paper's "- + -")."""
     paper = PAPER_ABLATION_TPU.get(name) if rows and _paper_setting(rows[0]) else None
     by = {r["variant"]: r for r in rows}
-    base = by.get("default+remat")
+    base = by.get("autodiff+remat")
     lines = ["| mixed mode | block remat | save grads | variant | ours: peak GiB | paper: TPU HBM G | ours: ratio | "
              "paper: ratio |", "|" + "---|" * 8]
     flag = lambda on: "+" if on else "-"
@@ -44,13 +44,13 @@ def ablation_comparison(rows: list[dict], name: str) -> str:
         over = " (over HBM)" if r.get("fits") is False else ""
         p = paper.get(v) if paper else None
         ours_ratio = f"{base['peak_bytes'] / r['peak_bytes']:.2f}x" if base else "-"
-        paper_ratio = f"{paper['default+remat'] / p:.2f}x" if p else "-"
+        paper_ratio = f"{paper['autodiff+remat'] / p:.2f}x" if p else "-"
         lines.append(f"| {flag(v.startswith('mixflow'))} | {flag('+remat' in v)} | {flag('+save' in v)} | {v} | "
                      f"{r['peak_bytes'] / GiB:.2f}{over} | {p or '-'} | {ours_ratio} | {paper_ratio} |")
     table = ("Table 2 ('Case study for 489M transformer')" if name == "489m"
              else "Table 3 ('Case study for 44M transformer')")
     note = (f"GiB per chip; paper: TPU HBM of its {table}, which states no task or shapes: MAML, B=4, T=2, S=2048, "
-            "float32 and dense attention are our assumptions; ratios: default+remat ÷ row, each side against its own"
+            "float32 and dense attention are our assumptions; ratios: autodiff+remat ÷ row, each side against its own"
             if paper else "no paper figures: the paper's Tables 2-3 are for 44m and 489m, MAML on TPU at B=4 "
                           "S=2048 T=2 (our assumed setting for them)")
     return "\n".join(lines) + f"\n({note})"
@@ -59,7 +59,7 @@ def ablation_comparison(rows: list[dict], name: str) -> str:
 def static_parts(row: dict) -> dict:
     """A row's static bytes, named: η, the meta-optimizer state, the meta-gradient ∇η, the per-step checkpoints
     (and the inner Adam state υ inside them), the carried inner state, and the rest (the batches)."""
-    kept = kept_states(row["inner_steps"], row.get("inner_checkpoint", "every_step"), row.get("inner_peeled", False))
+    kept = kept_states(row["inner_steps"], row.get("kept_states", "every_step"), row.get("inner_peeled", False))
     measured = row.get("static_from") == "buffers"  # no loop left: the checkpoints the compiler kept, υ not told apart
     parts = {"eta": row["param_bytes"], "meta_opt": row["meta_opt_bytes"], "grad": row["grad_bytes"],
              "checkpoints": min(row["checkpoint_live_bytes"], row["checkpoint_bytes"]) if measured

@@ -1,7 +1,8 @@
 """Variants of the meta-gradient computation, by name, and the run config a benchmark compiles.
 
 A variant is
-`MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+offload_params][+unroll][model options]`
+`MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload_states][+offload_moments][+offload_params][+unroll]
+[model options]`
 (model options: +blockwise, +bf16, +chunked_ce): a meta-gradient mode, per-block rematerialisation, inner
 gradients saved in the per-step checkpoint, an inner-checkpoint schedule, the per-step checkpoint stored in
 bfloat16 and/or in host memory, the meta-optimizer's moments and η in host memory between steps, the inner steps
@@ -16,23 +17,24 @@ import dataclasses
 import itertools
 
 from metatrain import config as config_lib
-from metatrain.config import Config
+from metatrain.config import Config, MetaGradConfig
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
 from metatrain.models import LoRAConfig, ModelConfig
 from metatrain.tasks import Task, make_task
-from metatrain.unroll import INNER_CHECKPOINTS, MetaGradMethod
+from metatrain.unroll import KEPT_STATES, MetaGradMethod
 
 # model options a variant name may carry, e.g. `mixflow+remat+save+sqrt+blockwise+bf16`
 # (+chunked_ce: the next-token loss 512 positions at a time, no [batch, seq, vocab] logits buffer)
 MODEL_OPTIONS = {"blockwise": {"attention": "blockwise"}, "bf16": {"compute_dtype": "bfloat16"},
                  "chunked_ce": {"loss_chunk": 512}}
-SCHEDULES = tuple(s for s in INNER_CHECKPOINTS if s != "every_step")
-FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload][+offload_opt][+offload_params][+unroll]"
+SCHEDULES = tuple(s for s in KEPT_STATES if s != "every_step")
+FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload_states][+offload_moments][+offload_params]"
+        "[+unroll]"
         "[+blockwise][+bf16][+chunked_ce], e.g. mixflow+remat+save+sqrt+blockwise")
 BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
-OFFLOAD = "offload"  # ... and/or kept in host memory until the backward pass
-OFFLOAD_OPT = "offload_opt"  # the meta-optimizer's moments in host memory, on the device for the update only
+OFFLOAD_STATES = "offload_states"  # ... and/or kept in host memory until the backward pass
+OFFLOAD_MOMENTS = "offload_moments"  # the meta-optimizer's moments in host memory, on the device for the update only
 OFFLOAD_PARAMS = "offload_params"  # η in host memory, on the device for the inner loop's start and the update
 UNROLL = "unroll"  # the inner steps unrolled: each step's checkpoint its own buffer, freed once used
 
@@ -46,20 +48,21 @@ class Variant:
     mode: str
     remat: bool
     save: bool
-    inner_checkpoint: str = "every_step"
+    kept_states: str = "every_step"
     model_options: tuple[str, ...] = ()
-    checkpoint_dtype: str = ""
-    offload: bool = False
+    state_dtype: str = ""
+    offload_states: bool = False
     unroll: bool = False
-    offload_opt: bool = False
+    offload_moments: bool = False
     offload_params: bool = False
 
     @property
     def name(self) -> str:
-        schedule = "" if self.inner_checkpoint == "every_step" else "+" + self.inner_checkpoint
+        schedule = "" if self.kept_states == "every_step" else "+" + self.kept_states
         return (self.mode + ("+remat" if self.remat else "") + ("+save" if self.save else "") + schedule
-                + ("+" + BF16_STATE if self.checkpoint_dtype == "bfloat16" else "")
-                + ("+" + OFFLOAD if self.offload else "") + ("+" + OFFLOAD_OPT if self.offload_opt else "")
+                + ("+" + BF16_STATE if self.state_dtype == "bfloat16" else "")
+                + ("+" + OFFLOAD_STATES if self.offload_states else "")
+                + ("+" + OFFLOAD_MOMENTS if self.offload_moments else "")
                 + ("+" + OFFLOAD_PARAMS if self.offload_params else "")
                 + ("+" + UNROLL if self.unroll else "")
                 + "".join("+" + o for o in self.model_options))
@@ -71,32 +74,34 @@ class Variant:
 
     @property
     def method(self) -> MetaGradMethod:
-        return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, inner_checkpoint=self.inner_checkpoint,
-                              checkpoint_dtype=self.checkpoint_dtype, checkpoint_offload=self.offload,
+        return MetaGradMethod(mode=self.mode, save_inner_grads=self.save, kept_states=self.kept_states,
+                              state_dtype=self.state_dtype, offload_states=self.offload_states,
                               unroll=self.unroll)
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` computing its meta-gradient this way, on this variant's model."""
-        return dataclasses.replace(cfg, mode=self.mode, save_inner_grads=self.save,
-                                   inner_checkpoint=self.inner_checkpoint, checkpoint_dtype=self.checkpoint_dtype,
-                                   checkpoint_offload=self.offload, inner_unroll=self.unroll,
-                                   meta_opt=dataclasses.replace(cfg.meta_opt, offload=self.offload_opt,
+        metagrad = MetaGradConfig(mode=self.mode, save_inner_grads=self.save, kept_states=self.kept_states,
+                                  state_dtype=self.state_dtype, offload_states=self.offload_states,
+                                  unroll=self.unroll)
+        return dataclasses.replace(cfg, metagrad=metagrad,
+                                   meta_opt=dataclasses.replace(cfg.meta_opt, offload_moments=self.offload_moments,
                                                                 offload_params=self.offload_params),
                                    model=self.model(cfg.model))
 
 
-def variants(modes=MODES, inner_checkpoint: str = "every_step") -> list[Variant]:
-    return [Variant(m, r, s, inner_checkpoint) for m, r, s in itertools.product(modes, (False, True), (False, True))]
+def variants(modes=MODES, kept_states: str = "every_step") -> list[Variant]:
+    return [Variant(m, r, s, kept_states) for m, r, s in itertools.product(modes, (False, True), (False, True))]
 
 
-def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
-    """A variant by name; a schedule in the name wins over `inner_checkpoint`, model options apply over the
+def parse_variant(name: str, kept_states: str = "every_step") -> Variant:
+    """A variant by name; a schedule in the name wins over `kept_states`, model options apply over the
     model the variant is run on. Options may come in any order; `.name` gives them in the canonical one."""
     mode, *opts = name.strip().split("+")
     if mode not in MODES:
-        raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
-    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD, OFFLOAD_OPT, OFFLOAD_PARAMS, UNROLL, *SCHEDULES,
-                           *MODEL_OPTIONS}
+        renamed = " (default is now called autodiff)" if mode == "default" else ""
+        raise ConfigError(f"variant {name!r}: unknown mode {mode!r}{renamed} ({' | '.join(MODES)}); use {FORM}")
+    unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD_STATES, OFFLOAD_MOMENTS, OFFLOAD_PARAMS, UNROLL,
+                           *SCHEDULES, *MODEL_OPTIONS}
     if unknown:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
@@ -106,18 +111,35 @@ def parse_variant(name: str, inner_checkpoint: str = "every_step") -> Variant:
         raise ConfigError(f"variant {name!r}: +{BF16_STATE} needs +save (a gradient recomputed from rounded "
                           f"parameters is not the one the inner update used); use {FORM}")
     options = tuple(o for o in MODEL_OPTIONS if o in opts)
-    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [inner_checkpoint])[0], options,
-                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD in opts, UNROLL in opts, OFFLOAD_OPT in opts,
-                   OFFLOAD_PARAMS in opts)
+    return Variant(mode, "remat" in opts, "save" in opts, (schedules or [kept_states])[0], options,
+                   "bfloat16" if BF16_STATE in opts else "", OFFLOAD_STATES in opts, UNROLL in opts,
+                   OFFLOAD_MOMENTS in opts, OFFLOAD_PARAMS in opts)
+
+
+# names rows of earlier versions carry: variant tokens and row keys
+OLD_TOKENS = {"default": "autodiff", "offload": OFFLOAD_STATES, "offload_opt": OFFLOAD_MOMENTS}
+OLD_KEYS = {"inner_checkpoint": "kept_states", "checkpoint_dtype": "state_dtype",
+            "checkpoint_offload": "offload_states", "meta_opt_offload": "offload_moments",
+            "meta_opt_offload_params": "offload_params"}
+
+
+def upgrade_row(row: dict) -> dict:
+    """A benchmark row written by an earlier version, under today's names (`autodiff` was `default`, ...)."""
+    row = {OLD_KEYS.get(k, k): v for k, v in row.items()}
+    if isinstance(row.get("variant"), str):
+        row["variant"] = "+".join(OLD_TOKENS.get(t, t) for t in row["variant"].split("+"))
+    if row.get("mode") == "default":
+        row["mode"] = "autodiff"
+    return row
 
 
 def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_steps: int,
                overrides: list[str] = (), variant: Variant | None = None) -> Config:
     """The run config of a benchmark: `task` on `model` with these batch shapes (and `key=value` overrides, e.g.
     `mesh.fsdp=-1`), computing its meta-gradient as `variant` does."""
-    if "inner_checkpoint=auto" in overrides or "mode=auto" in overrides:
-        raise ConfigError("mode / inner_checkpoint: `auto` is for training runs; name the variants to compare "
-                          "instead, e.g. mixflow+remat+save,mixflow+remat+save+sqrt")
+    if "metagrad.kept_states=auto" in overrides or "metagrad.mode=auto" in overrides:
+        raise ConfigError("metagrad.mode / metagrad.kept_states: `auto` is for training runs; name the variants to "
+                          "compare instead, e.g. mixflow+remat+save,mixflow+remat+save+sqrt")
     shadowed = [o for o in overrides if config_lib.override_key(o).startswith("model.")
                 or config_lib.override_key(o) in ("task", "data.seq_len", "data.batch", "data.inner_steps")]
     if shadowed:

@@ -28,10 +28,10 @@ def cmd_bench_memory(args) -> int:
         raise ConfigError("--topology is for --backend tpu (TPU ahead-of-time); drop it or add --backend tpu")
     mesh = TPU_MESH if topology else []
     tasks, names = [args.task], {}
-    default_variants = "default+remat,mixflow+remat+save"
+    default_variants = "autodiff+remat,mixflow+remat+save"
     if args.grid == "ablation":
         model_list = [common.model(args)]
-        default_variants = ",".join(v.name for v in variants(("default", "mixflow"), "every_step"))
+        default_variants = ",".join(v.name for v in variants(("autodiff", "mixflow"), "every_step"))
     elif args.grid == "layers":
         model_list = [common.model(args, n_layers=n) for n in args.layers]
     elif args.grid == "ladder":
@@ -122,10 +122,10 @@ def cmd_compile(args) -> int:
     from metatrain.bench.compile import compile_report
 
     model = common.model(args, remat=not args.no_remat)
-    cfg = _config(args, model, [f"mode={args.mode}", f"inner_checkpoint={args.inner_checkpoint}",
+    cfg = _config(args, model, [f"metagrad.mode={args.mode}", f"metagrad.kept_states={args.kept_states}",
                                 f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides])
     where = args.topology or "this machine's devices"
-    print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.mode} model={args.model} "
+    print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.metagrad.mode} model={args.model} "
           f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}", flush=True)
     r = compile_report(cfg, args.topology)
@@ -171,8 +171,8 @@ def register(sub) -> None:
                         "arguments, parameter-sized buffers (in units of θ), the rest")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
                    help="n_layers values for --grid layers, e.g. 2,8")
-    p.add_argument("--variants", default=None, help="comma list, e.g. default+remat,mixflow+remat+save")
-    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--variants", default=None, help="comma list, e.g. autodiff+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="autodiff+remat")
     p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
     p.add_argument("--resume", action="store_true",
                    help="with --json: keep the rows already in PATH measured at the same task, model, shapes and "
@@ -182,8 +182,8 @@ def register(sub) -> None:
 
     p = bench.add_parser("time", help="side-by-side step time per variant (interleaved, median ratio)")
     common.add_problem_args(p, model="bench", seq_len=1024, batch=2, inner_steps=2)
-    p.add_argument("--variants", default="default+remat,mixflow+remat+save")
-    p.add_argument("--baseline", default="default+remat")
+    p.add_argument("--variants", default="autodiff+remat,mixflow+remat+save")
+    p.add_argument("--baseline", default="autodiff+remat")
     p.add_argument("--rounds", type=common.positive_int, default=7, help="interleaved timed rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant after compiling")
     p.set_defaults(fn=cmd_bench_time)
@@ -191,9 +191,9 @@ def register(sub) -> None:
     p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology, per variant")
     common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2, model_flags=False)
     p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1")
-    p.add_argument("--variants", default="default+remat,mixflow+remat+save",
+    p.add_argument("--variants", default="autodiff+remat,mixflow+remat+save",
                    help="the baseline first, then those to compare with it, e.g. "
-                        "default+remat,mixflow+remat+save+sqrt+blockwise+bf16")
+                        "autodiff+remat,mixflow+remat+save+sqrt+blockwise+bf16")
     p.add_argument("--models", default=None, help="the ladder to search, in size order (default: all presets)")
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
     p.set_defaults(fn=cmd_bench_fit)
@@ -206,5 +206,5 @@ def register(sub) -> None:
     p.add_argument("--mode", default="mixflow", choices=MODES)
     p.add_argument("--fsdp", type=int, default=-1, help="fsdp mesh axis size (-1 = all devices); data = the rest")
     p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
-    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. save_inner_grads=false")
+    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. metagrad.save_inner_grads=false")
     p.set_defaults(fn=cmd_compile)

@@ -21,7 +21,7 @@ def cmd_check_grads(args) -> int:
           + (f", LoRA rank {lora.rank} on {lora.targets}" if lora else ""))
     results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
-                                     modes=tuple(args.modes.split(",")), inner_checkpoint=args.inner_checkpoint,
+                                     modes=tuple(args.modes.split(",")), kept_states=args.kept_states,
                                      only=common.variants(args, args.variants) if args.variants else None,
                                      progress=common.progress, lora=lora, meta_model=meta_model_config(cfg))
     width = max(22, *(len(r.variant) for r in results))

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from metatrain.models import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS
 from metatrain.tasks import BUILTIN
-from metatrain.unroll import INNER_CHECKPOINTS
+from metatrain.unroll import KEPT_STATES
 
 MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff", "vocab_size": "--vocab",
                "n_layers": "--n-layers"}
@@ -78,7 +78,9 @@ def read_rows(path) -> list[dict]:
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ConfigError(f"--resume: {path} is not a list of rows written by `bench memory --json`; move it away "
                           "or drop --resume")
-    return rows
+    from metatrain.bench.variants import upgrade_row
+
+    return [upgrade_row(r) for r in rows]
 
 
 def add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch: int, inner_steps: int,
@@ -104,7 +106,7 @@ def add_model_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32); "
                         "a variant's +bf16 wins")
-    p.add_argument("--inner-checkpoint", choices=INNER_CHECKPOINTS, default="every_step",
+    p.add_argument("--kept-states", choices=KEPT_STATES, default="every_step",
                    help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
 
 
@@ -129,11 +131,11 @@ def data_shapes(args):
 
 
 def variants(args, names: str, baseline: str | None = None) -> list:
-    """The comma-listed variants (with --inner-checkpoint unless a name says +sqrt/+binomial), `baseline` first
+    """The comma-listed variants (with --kept-states unless a name says +sqrt/+binomial), `baseline` first
     when given and not among them."""
     from metatrain.bench.variants import parse_variant
 
-    chosen = [parse_variant(v, args.inner_checkpoint) for v in names.split(",")]
+    chosen = [parse_variant(v, args.kept_states) for v in names.split(",")]
     if baseline and baseline not in {v.name for v in chosen}:
         chosen.insert(0, parse_variant(baseline))
     return chosen

@@ -33,7 +33,7 @@ def cmd_train(args) -> int:
         from metatrain.trainer import Trainer
 
         trainer = Trainer(cfg)
-        what = f"meta-training {cfg.task} ({cfg.mode}) for {cfg.steps} outer steps"
+        what = f"meta-training {cfg.task} ({cfg.metagrad.mode}) for {cfg.steps} outer steps"
     if resume:
         step = trainer.restore()
         if trainer.is_main:

@@ -15,13 +15,14 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
 
 # Between them the check-grads tests here and in test_tasks.py run each mode with and without block remat and
 # saved gradients, on some task, the chunked loss (+chunked_ce) on each task, and the stored-checkpoint backward
-# pass (+bf16_state, run with float64 storage, with +offload) on two, LoRA included, the unrolled inner steps
+# pass (+bf16_state, run with float64 storage, with +offload_states) on two, LoRA included, the unrolled inner steps
 # (+unroll) on one (the CLI runs in docs/benchmarks.md cover all 12 variants on each task, and every storage option
 # and +unroll on each task: docs/bench/checkgrads_storage.log, checkgrads_unroll.log); plain reverse-over-reverse
 # is always the reference.
 # float64 stays inside the check.
 @pytest.mark.parametrize("task, names, model, lora, scorer", [
-    ("learned_lr", "default+remat,mixflow+save,mixflow+remat+save+chunked_ce,mixflow+remat+save+bf16_state+offload",
+    ("learned_lr",
+     "autodiff+remat,mixflow+save,mixflow+remat+save+chunked_ce,mixflow+remat+save+bf16_state+offload_states",
      "tiny", 0, None),
     # LoRA adapters as θ on a frozen base, weighted by a separate one-layer scorer
     ("loss_weighting", "mixflow+remat+save,revfwd+save+unroll,mixflow+save+chunked_ce", "tiny", 2,
@@ -30,7 +31,8 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
     # Seed 1: at seed 0 the first inner Adam step leaves some adapter entries where |g| ~ sqrt(eps_root), and V(η)
     # is too curved there for finite differences (fd err 0.17, while every mode agrees with reverse-over-reverse to
     # 1e-15; with seed 1, another perturbation or inner_lr, fd err 2e-9 ... 2e-5)
-    ("maml", "mixflow+remat+save,revfwd+remat,mixflow+remat+save+chunked_ce,default+remat+save+bf16_state+offload",
+    ("maml",
+     "mixflow+remat+save,revfwd+remat,mixflow+remat+save+chunked_ce,autodiff+remat+save+bf16_state+offload_states",
      "tiny-llama", 4, None),
 ])
 @pytest.mark.slow
@@ -39,7 +41,7 @@ def test_builtin_tasks(task, names, model, lora, scorer):
     results = checkgrads.check_grads(task, models.preset(model), SHAPES, only=only, seed=int(task == "maml"),
                                      lora=models.LoRAConfig(rank=lora) if lora else None, meta_model=scorer)
     assert not jax.config.jax_enable_x64
-    assert [r.variant for r in results] == ["default", *names.split(",")]
+    assert [r.variant for r in results] == ["autodiff", *names.split(",")]
     for r in results:
         assert r.rel_err <= 1e-10 and r.fd_err <= 1e-6 and r.ok, r
 
@@ -50,10 +52,10 @@ def test_cli_maml_blockwise_sqrt_writes_json_and_exits_zero(tmp_path, capsys):
     2 and 1 steps), against plain reverse-over-reverse with dense attention keeping every step, and finite
     differences."""
     out = tmp_path / "grads.json"
-    assert cli.main(["check-grads", "--task", "maml", "--inner-steps", "3", "--inner-checkpoint", "sqrt",
+    assert cli.main(["check-grads", "--task", "maml", "--inner-steps", "3", "--kept-states", "sqrt",
                      "--attention-block", "3", "--variants", "mixflow+remat+save+blockwise", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["variant"] for r in report["results"]] == ["default", "mixflow+remat+save+sqrt+blockwise"]
+    assert [r["variant"] for r in report["results"]] == ["autodiff", "mixflow+remat+save+sqrt+blockwise"]
     assert all(r["ok"] for r in report["results"])
     assert "all 2 variants within tolerance" in capsys.readouterr().out
 
@@ -74,8 +76,8 @@ class WrongGradientTask(MAML):
 
 
 def test_check_fails_on_a_wrong_gradient(capsys):
-    assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--variants", "default"]) == 1
-    assert "FAILED: 1 variant(s) past tolerance (rel 1e-10, fd 1e-06): default" in capsys.readouterr().out
+    assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--variants", "autodiff"]) == 1
+    assert "FAILED: 1 variant(s) past tolerance (rel 1e-10, fd 1e-06): autodiff" in capsys.readouterr().out
 
 
 def test_cli_bad_task_is_a_one_line_error(capsys):
@@ -85,7 +87,8 @@ def test_cli_bad_task_is_a_one_line_error(capsys):
 
 
 @pytest.mark.parametrize("variant, says", [("mixflow+bf16", "+bf16 does not apply"),
-                                           ("mixflow+remat+save+offload_opt", "+offload_opt moves the meta-optimizer"),
+                                           ("mixflow+remat+save+offload_moments",
+                                            "+offload_moments moves the meta-optimizer"),
                                            ("mixflow+remat+save+offload_params", "+offload_params moves")])
 def test_variants_that_change_nothing_checked_are_refused(capsys, variant, says):
     assert cli.main(["check-grads", "--task", "maml", "--variants", variant]) == 2

@@ -1,4 +1,4 @@
-"""checkpoint_dtype=bfloat16 (`+bf16_state`): the per-step checkpoint stored in bfloat16 changes the meta-gradient
+"""metagrad.state_dtype=bfloat16 (`+bf16_state`): the per-step checkpoint stored in bfloat16 changes the meta-gradient
 by a bounded amount, and bad combinations are one-line config errors. (check-grads checks the same backward pass
 with float64 storage exactly: tests/metatrain/test_checkgrads.py.)"""
 
@@ -43,15 +43,16 @@ def test_bf16_storage_bounds_the_meta_gradient(task):
 
 def test_variant_name_and_config():
     v = parse_variant("mixflow+bf16_state+save+remat")
-    assert v.name == "mixflow+remat+save+bf16_state" and v.method.checkpoint_dtype == "bfloat16"
+    assert v.name == "mixflow+remat+save+bf16_state" and v.method.state_dtype == "bfloat16"
     cfg = v.apply(config_lib.load(None, []))
-    assert cfg.checkpoint_dtype == "bfloat16" and cfg.save_inner_grads
-    assert config_lib.load(None, ["checkpoint_dtype=bfloat16"]).checkpoint_dtype == "bfloat16"
+    assert cfg.metagrad.state_dtype == "bfloat16" and cfg.metagrad.save_inner_grads
+    assert config_lib.load(None, ["metagrad.state_dtype=bfloat16"]).metagrad.state_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["checkpoint_dtype=float16"], "checkpoint_dtype: 'float16' is not one of"),
-    (["checkpoint_dtype=bfloat16", "save_inner_grads=false"], "checkpoint_dtype: a per-step checkpoint narrower"),
+    (["metagrad.state_dtype=float16"], "metagrad.state_dtype: 'float16' is not one of"),
+    (["metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"],
+     "metagrad.state_dtype: inner states kept narrower"),
 ])
 def test_bad_checkpoint_dtype_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -61,5 +62,5 @@ def test_bad_checkpoint_dtype_is_a_config_error(overrides, message):
 def test_bf16_state_without_saved_gradients_is_refused():
     with pytest.raises(ConfigError, match=r"\+bf16_state needs \+save"):
         parse_variant("mixflow+remat+bf16_state")
-    with pytest.raises(ConfigError, match="needs save_inner_grads=true"):
-        MetaGradMethod(save_inner_grads=False, checkpoint_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="need metagrad.save_inner_grads=true"):
+        MetaGradMethod(save_inner_grads=False, state_dtype="bfloat16")

@@ -43,7 +43,7 @@ def problem():
 @pytest.mark.parametrize("use_loss", [False, True])
 def test_meta_gradient_matches_reverse_over_reverse(problem, mode, use_loss):
     eta, theta0, batch = problem
-    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, batch, "default", use_loss)
+    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, batch, "autodiff", use_loss)
     got = jax.grad(outer, argnums=(0, 1))(eta, theta0, batch, mode, use_loss)
     assert np.abs(ref[0]).max() > 1e-3  # the mixed path is exercised
     for a, b in zip(ref, got):

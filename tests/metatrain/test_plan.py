@@ -32,7 +32,7 @@ def expected(mode, save, schedule, dtype, offload, unroll_, n, model):
     return step, loop, mode == "mixflow" and model is SEEDED_MODEL
 
 
-ROWS = [row for row in itertools.product(("default", "mixflow", "revfwd"), (True, False),
+ROWS = [row for row in itertools.product(("autodiff", "mixflow", "revfwd"), (True, False),
                                          ("every_step", "sqrt", "binomial"), ("", "bfloat16"), (False, True),
                                          (False, True), (1, 2, 5), (SEEDED_MODEL, PLAIN_MODEL, None))
         if not (row[3] and not row[1])]  # a bfloat16 checkpoint needs saved inner gradients (refused)
@@ -52,16 +52,16 @@ def test_plan_table():
 def test_named_plans():
     assert plan.choose(MetaGradMethod(), 2, SEEDED_MODEL).name == "two_steps+peeled+seeded"
     assert plan.choose(MetaGradMethod(), 4, PLAIN_MODEL).name == "stored+peeled"
-    assert plan.choose(MetaGradMethod("default"), 4, SEEDED_MODEL).name == "checkpointed+peeled"
-    assert plan.choose(MetaGradMethod(inner_checkpoint="sqrt"), 9, SEEDED_MODEL).name == "stored+sqrt+seeded"
-    assert plan.choose(MetaGradMethod(checkpoint_offload=True), 2, SEEDED_MODEL).name == "stored+scan+seeded"
+    assert plan.choose(MetaGradMethod("autodiff"), 4, SEEDED_MODEL).name == "checkpointed+peeled"
+    assert plan.choose(MetaGradMethod(kept_states="sqrt"), 9, SEEDED_MODEL).name == "stored+sqrt+seeded"
+    assert plan.choose(MetaGradMethod(offload_states=True), 2, SEEDED_MODEL).name == "stored+scan+seeded"
 
 
 @pytest.mark.parametrize("method, n, step", [
     (MetaGradMethod(), 2, "two_steps"),
     (MetaGradMethod(), 3, "stored"),
-    (MetaGradMethod(mode="default"), 2, "checkpointed"),
-    (MetaGradMethod(mode="revfwd", checkpoint_dtype="bfloat16"), 2, "stored"),
+    (MetaGradMethod(mode="autodiff"), 2, "checkpointed"),
+    (MetaGradMethod(mode="revfwd", state_dtype="bfloat16"), 2, "stored"),
 ])
 def test_outer_loss_runs_the_plan(method, n, step, monkeypatch):
     """`outer_loss` traces exactly the step the plan names."""

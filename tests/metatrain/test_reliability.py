@@ -88,7 +88,7 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("model.dmodel=3", "model.dmodel: Key 'dmodel' not in 'ModelConfig'"),
     ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
     ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
-    ("mode=fast", "mode: 'fast' is not one of"),
+    ("metagrad.mode=fast", "metagrad.mode: 'fast' is not one of"),
     ("data.seq_len=0", "data.seq_len must be > 0"),
     # LoRA and the separate scorer
     ("inner.lora.rank=-2", "inner.lora.rank must be >= 0"),

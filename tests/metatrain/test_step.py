@@ -33,9 +33,9 @@ def test_batch_specs_carry_the_meshs_shardings():
 
 
 def test_meta_optimizer_state_and_eta_in_host_memory_give_the_same_steps_and_checkpoints(tmp_path):
-    """meta_opt.offload=true: the compiled step takes and returns the meta-optimizer's matrices in pinned host memory,
-    with meta_opt.offload_params=true η's too; two outer steps give the same state, bit for bit, as without them;
-    an Orbax checkpoint of that state comes back in host memory with the same values; `step.on_device` brings η
+    """meta_opt.offload_moments=true: the compiled step takes and returns the meta-optimizer's matrices in pinned host
+    memory, with meta_opt.offload_params=true η's too; two outer steps give the same state, bit for bit, as without
+    them; an Orbax checkpoint of that state comes back in host memory with the same values; `step.on_device` brings η
     back for evaluation."""
     import orbax.checkpoint as ocp
 
@@ -44,8 +44,8 @@ def test_meta_optimizer_state_and_eta_in_host_memory_give_the_same_steps_and_che
     from metatrain.sharding import abstract, make_mesh
 
     states, programs = {}, {}
-    placements = {"none": [], "opt": ["meta_opt.offload=true"],
-                  "all": ["meta_opt.offload=true", "meta_opt.offload_params=true"]}
+    placements = {"none": [], "opt": ["meta_opt.offload_moments=true"],
+                  "all": ["meta_opt.offload_moments=true", "meta_opt.offload_params=true"]}
     for name, flags in placements.items():
         cfg = config_lib.load(None, ["task=maml", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
                                      "model.vocab_size=64", "data.seq_len=8", "data.batch=2", *flags])

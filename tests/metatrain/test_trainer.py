@@ -149,31 +149,32 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
 
 @pytest.mark.slow
 def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
-    """mode=auto and inner_checkpoint=auto: six candidates, their figures those of the programs `compile` makes
-    (checked on two of them), and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""
+    """metagrad.mode=auto and metagrad.kept_states=auto: six candidates, their figures those of the programs `compile`
+    makes (checked on two of them), and the one the run uses is the lowest peak (ties within 1%: fewest FLOPs)."""
     from metatrain import auto
     from metatrain.bench.compile import compile_report
     from metatrain.sharding import make_mesh
 
-    cfg = config_lib.load(None, [*TINY, "task=maml", "mode=auto", "inner_checkpoint=auto", "data.inner_steps=4",
-                                 f"workdir={tmp_path}"])
+    cfg = config_lib.load(None, [*TINY, "task=maml", "metagrad.mode=auto", "metagrad.kept_states=auto",
+                                 "data.inner_steps=4", f"workdir={tmp_path}"])
     cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=300))
     choice, program, _ = auto.choose(cfg, make_mesh(cfg.mesh))
     figures = choice["candidates"]
-    assert set(figures) == {f"{m}+{s}" for m in ("default", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
+    assert set(figures) == {f"{m}+{s}" for m in ("autodiff", "mixflow", "revfwd") for s in ("every_step", "sqrt")}
     # the chosen candidate and one other, compiled as `metatrain compile` does (all six: twelve compiles, ~100 s)
     other = next(n for n, f in figures.items() if f["mode"] != choice["mode"])
-    for name in (f"{choice['mode']}+{choice['inner_checkpoint']}", other):
+    for name in (f"{choice['mode']}+{choice['kept_states']}", other):
         f = figures[name]
-        one = dataclasses.replace(cfg, mode=f["mode"], inner_checkpoint=f["inner_checkpoint"])
+        one = dataclasses.replace(cfg, metagrad=dataclasses.replace(cfg.metagrad, mode=f["mode"],
+                                                                    kept_states=f["kept_states"]))
         assert compile_report(one)["peak_bytes"] == f["peak_bytes"], name
     lowest = min(f["peak_bytes"] for f in figures.values())
     tied = {n: f for n, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest}
     best = min(tied, key=lambda n: tied[n]["flops"])
-    assert (choice["mode"], choice["inner_checkpoint"]) == (figures[best]["mode"], figures[best]["inner_checkpoint"])
-    assert program.method.mode == choice["mode"] and program.method.inner_checkpoint == choice["inner_checkpoint"]
+    assert (choice["mode"], choice["kept_states"]) == (figures[best]["mode"], figures[best]["kept_states"])
+    assert program.method.mode == choice["mode"] and program.method.kept_states == choice["kept_states"]
     # at T=4 keeping 2 segment starts instead of 4 states must show: sqrt's best peak is below every_step's
-    peak = lambda s: min(f["peak_bytes"] for f in figures.values() if f["inner_checkpoint"] == s)
+    peak = lambda s: min(f["peak_bytes"] for f in figures.values() if f["kept_states"] == s)
     assert peak("sqrt") < peak("every_step")
 
 

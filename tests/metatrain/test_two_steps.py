@@ -39,7 +39,7 @@ def test_all_outputs_differentiate_as_autodiff(task_name, monkeypatch):
                 return value + 0.3 * aux.inner_losses @ jnp.array([1.0, -2.0]) + 1e-2 * state @ weights
             return jax.jit(jax.value_and_grad(f))
 
-        ref_value, ref = objective(MetaGradMethod(mode="default"))(meta)
+        ref_value, ref = objective(MetaGradMethod(mode="autodiff"))(meta)
         assert not calls
         value, got = objective(MetaGradMethod(mode="mixflow", save_inner_grads=True))(meta)
         assert len(calls) == 1

@@ -33,12 +33,12 @@ def outer(eta, theta0, xs, loop, mode, unroll=False):
 
 @pytest.mark.parametrize("n_steps", [7, 16])  # 7: sqrt has a short last segment, binomial odd halves
 @pytest.mark.parametrize("schedule", ["sqrt", "binomial"])
-@pytest.mark.parametrize("mode", ["default", "mixflow"])
+@pytest.mark.parametrize("mode", ["autodiff", "mixflow"])
 def test_same_meta_gradient_as_every_step(n_steps, schedule, mode):
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
     xs = jax.random.normal(k3, (n_steps, 5, 4))
-    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "peeled", "default")
+    ref = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, "peeled", "autodiff")
     got = jax.grad(outer, argnums=(0, 1))(eta, theta0, xs, schedule, mode)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
@@ -54,7 +54,7 @@ def test_unrolled_steps_give_the_same_meta_gradient(loop):
     eta, theta0 = 0.1 * jax.random.normal(k1, (3,)), jax.random.normal(k2, (4, 3))
     xs = jax.random.normal(k3, (5, 5, 4))
     grad = jax.grad(outer, argnums=(0, 1))
-    ref = grad(eta, theta0, xs, "peeled", "default")
+    ref = grad(eta, theta0, xs, "peeled", "autodiff")
     for r, g in zip(ref, grad(eta, theta0, xs, loop, "mixflow", True)):
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
     loops = lambda unroll: jax.jit(grad, static_argnums=(3, 4, 5)).lower(
@@ -70,7 +70,7 @@ def test_kept_states():
 
 
 @pytest.mark.parametrize("n_steps", [2, 5])
-@pytest.mark.parametrize("mode", ["default", "mixflow"])
+@pytest.mark.parametrize("mode", ["autodiff", "mixflow"])
 def test_every_step_takes_the_first_step_before_the_loop(n_steps, mode):
     """every_step: the first step runs outside the loop (its checkpoint is the outer step's own inputs, not a slot
     in the loop's stacks), the loop has n - 1 steps, and the meta-gradient is that of a plain Python loop."""

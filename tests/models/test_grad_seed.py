@@ -51,7 +51,7 @@ def test_seeded_hvp_equals_seed_plus_autodiff_hvp(lora):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), seeded[0], expect)
     np.testing.assert_allclose(seeded[1], plain[1], rtol=1e-10, atol=1e-12)
     # the reference itself against reverse-over-reverse
-    ref = jax.jit(mixflow.backward(loss, "default"))(theta, (w,), None, v)
+    ref = jax.jit(mixflow.backward(loss, "autodiff"))(theta, (w,), None, v)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11), plain[0], ref[0])
 
 

@@ -8,6 +8,7 @@ import pytest
 from metatrain import cli, models
 from metatrain.bench import largest_fit
 from metatrain.bench.variants import parse_variant
+from metatrain.cli import common
 from metatrain.errors import ConfigError
 
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
@@ -20,14 +21,14 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     out, mem = tmp_path / "time.json", tmp_path / "mem.json"
     assert cli.main(["bench", "time", *TINY_FLAGS, "--rounds", "3", "--warmup", "2", "--json", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"default+remat", "mixflow+remat+save"}
+    assert set(rows) == {"autodiff+remat", "mixflow+remat+save"}
     assert all(r["steps_run"] == 2 + 3 and len(r["times_s"]) == 3 and min(r["times_s"]) > 0 for r in rows.values())
     assert "| mixflow+remat+save |" in capsys.readouterr().out
-    assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "default+remat,mixflow+remat+save",
+    assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save",
                      "--json", str(mem)]) == 0
     peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}
     assert {n: r["peak_bytes"] for n, r in rows.items()} == peaks
-    assert peaks["default+remat"] != peaks["mixflow+remat+save"]
+    assert peaks["autodiff+remat"] != peaks["mixflow+remat+save"]
 
 
 def test_bench_time_bad_variants_and_baseline(capsys):
@@ -46,7 +47,8 @@ def _fake_compile(limits, seen=None):
     def compile_report(cfg, topology, built=None):
         n, limit, hbm = models.param_count(cfg.model), limits(cfg), 95.74 * 2**30
         if seen is not None:
-            seen.append((cfg.mode, cfg.inner_checkpoint, cfg.model.attention, cfg.model.compute_dtype, cfg.model.remat))
+            seen.append((cfg.metagrad.mode, cfg.metagrad.kept_states, cfg.model.attention, cfg.model.compute_dtype,
+                         cfg.model.remat))
         peak = hbm * (0.975 if n <= limit else 0.985 if n <= 2 * limit else 1.5)
         report = {"fits": peak <= hbm, "exact": True, "hbm_bytes": hbm, "peak_bytes": peak}
         return report | ({"refused_bytes": peak * 1.1, "message": "RESOURCE_EXHAUSTED"} if peak > hbm else {})
@@ -56,46 +58,46 @@ def _fake_compile(limits, seen=None):
 def test_bench_fit_binary_search(monkeypatch, capsys):
     """Memory grows with the preset's size: the search must find the boundary with a handful of compiles."""
     compiled = []
-    limits = {"default": 300e6, "mixflow": 2.1e9}
-    fake = _fake_compile(lambda cfg: limits[cfg.mode], compiled)
+    limits = {"autodiff": 300e6, "mixflow": 2.1e9}
+    fake = _fake_compile(lambda cfg: limits[cfg.metagrad.mode], compiled)
     monkeypatch.setattr(largest_fit.compile_lib, "compile_report", fake)
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1"]) == 0
     out = capsys.readouterr().out
     assert "a preset fits when its exact peak is at most 98% of the chip's HBM" in out
     assert "does NOT fit: peak 94.30 GiB of 95.74 (98.5%)" in out  # on the chip, but not within the margin
-    assert "largest that fits, default+remat: 278m" in out
+    assert "largest that fits, autodiff+remat: 278m" in out
     assert "largest that fits, mixflow+remat+save: 2b" in out
     ratio = models.param_count(models.preset("2b")) / models.param_count(models.preset("278m"))
-    assert f"ratio of parameter counts (mixflow+remat+save / default+remat): {ratio:.2f}x" in out
+    assert f"ratio of parameter counts (mixflow+remat+save / autodiff+remat): {ratio:.2f}x" in out
     assert len(compiled) <= 2 * 6  # a binary search over 22 presets, not a sweep
 
 
 def test_bench_fit_variant_model_options(monkeypatch, capsys, tmp_path):
     """`+sqrt+blockwise+bf16` reach the compiled program: the stand-in fits more only with all three."""
     seen = []
-    full = lambda cfg: (cfg.inner_checkpoint, cfg.model.attention, cfg.model.compute_dtype) == (
+    full = lambda cfg: (cfg.metagrad.kept_states, cfg.model.attention, cfg.model.compute_dtype) == (
         "sqrt", "blockwise", "bfloat16")
     monkeypatch.setattr(largest_fit.compile_lib, "compile_report",
                         _fake_compile(lambda cfg: 4e9 if full(cfg) else 300e6, seen))
     out = tmp_path / "fit.json"
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "--json", str(out), "--variants",
-                     "default+remat,mixflow+remat+save,mixflow+remat+save+sqrt+blockwise+bf16"]) == 0
+                     "autodiff+remat,mixflow+remat+save,mixflow+remat+save+sqrt+blockwise+bf16"]) == 0
     text = capsys.readouterr().out
     assert "largest that fits, mixflow+remat+save: 278m" in text
     assert "largest that fits, mixflow+remat+save+sqrt+blockwise+bf16: 3.8b" in text
-    assert "(mixflow+remat+save+sqrt+blockwise+bf16 / default+remat)" in text
+    assert "(mixflow+remat+save+sqrt+blockwise+bf16 / autodiff+remat)" in text
     assert ("mixflow", "sqrt", "blockwise", "bfloat16", True) in seen
-    assert ("default", "every_step", "dense", "", True) in seen
+    assert ("autodiff", "every_step", "dense", "", True) in seen
     assert [r["largest"] for r in json.loads(out.read_text())["results"]] == ["278m", "278m", "3.8b"]
 
 
 def test_bench_fit_refuses_auto(capsys):
-    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "inner_checkpoint=auto"]) == 2
+    assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "metagrad.kept_states=auto"]) == 2
     assert "name the variants to compare instead" in capsys.readouterr().err
 
 
 def test_parse_variant_names_round_trip():
-    for name in ("default", "mixflow+remat+save", "mixflow+remat+save+sqrt+blockwise+bf16", "revfwd+binomial"):
+    for name in ("autodiff", "mixflow+remat+save", "mixflow+remat+save+sqrt+blockwise+bf16", "revfwd+binomial"):
         assert parse_variant(name).name == name
     v = parse_variant("mixflow+bf16+blockwise+remat")  # any order; the name comes out canonical
     assert v.name == "mixflow+remat+blockwise+bf16" and v.model_options == ("blockwise", "bf16")
@@ -106,3 +108,15 @@ def test_parse_variant_names_round_trip():
                       ("mixflow+sqrt+binomial", "one inner-checkpoint schedule")):
         with pytest.raises(ConfigError, match=says):
             parse_variant(bad)
+
+
+def test_rows_of_earlier_versions_resume_under_todays_names(tmp_path):
+    """A --json file written before the renames (mode `default`, `+offload`, `+offload_opt`, `inner_checkpoint`) is
+    read with today's names, so `--resume` keeps its rows."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps([{"variant": "default+remat", "inner_checkpoint": "every_step", "mode": "default"},
+                                {"variant": "mixflow+remat+save+bf16_state+offload+offload_opt"}]))
+    rows = common.read_rows(str(path))
+    assert rows[0] == {"variant": "autodiff+remat", "kept_states": "every_step", "mode": "autodiff"}
+    assert rows[1]["variant"] == "mixflow+remat+save+bf16_state+offload_states+offload_moments"
+    assert parse_variant(rows[1]["variant"]).name == rows[1]["variant"]

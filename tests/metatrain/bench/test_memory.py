@@ -16,7 +16,7 @@ SMALL_FLAGS = ["--model", "bench", "--d-model", "32", "--n-heads", "2", "--d-ff"
                "--n-layers", "1", "--seq-len", "128", "--batch", "1"]
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
 T, B, S = 2, 1, 128
-VARIANTS = [parse_variant("default+remat"), parse_variant("mixflow+remat+save")]
+VARIANTS = [parse_variant("autodiff+remat"), parse_variant("mixflow+remat+save")]
 
 
 def _sequence_bytes(t, b, s):
@@ -36,7 +36,7 @@ def test_rows_add_up_and_ratio_grows_with_layers():
         assert r["temp_sum_bytes"] == r["peak_bytes"]
         assert r["checkpoint_bytes"] > 0 and r["dynamic_bytes"] > 0 and r["exact"] and r["static_from"] == "shapes"
     ratio = {(r["n_layers"], r["variant"]): r["temp_ratio"] for r in rows}
-    assert ratio[(1, "default+remat")] == 1.0
+    assert ratio[(1, "autodiff+remat")] == 1.0
     assert ratio[(4, "mixflow+remat+save")] > ratio[(1, "mixflow+remat+save")] > 1.0
 
 
@@ -80,10 +80,10 @@ def test_two_steps_split_by_the_checkpoints_the_compiler_kept():
 
 def test_cli_json_and_table(tmp_path, capsys):
     out = tmp_path / "mem.json"
-    argv = ["bench", "memory", *SMALL_FLAGS, "--variants", "default+remat,mixflow+remat+save", "--json", str(out)]
+    argv = ["bench", "memory", *SMALL_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save", "--json", str(out)]
     assert cli.main(argv) == 0
     rows = json.loads(out.read_text())
-    assert [r["variant"] for r in rows] == ["default+remat", "mixflow+remat+save"]
+    assert [r["variant"] for r in rows] == ["autodiff+remat", "mixflow+remat+save"]
     default, mixflow = rows
     assert mixflow["peak_ratio"] == default["peak_bytes"] / mixflow["peak_bytes"] and default["peak_ratio"] == 1
     assert default["argument_bytes"] == mixflow["argument_bytes"]  # same state and batches
@@ -150,7 +150,7 @@ def test_tasks_grid_with_plot(tmp_path):
                      "--json", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())
     assert {(r["task"], r["variant"]) for r in rows} == {
-        (t, v) for t in ("maml", "learned_lr") for v in ("default+remat", "mixflow+remat+save")}
+        (t, v) for t in ("maml", "learned_lr") for v in ("autodiff+remat", "mixflow+remat+save")}
     # learned_lr carries its inner state (θ, υ) in and out; MAML restarts from η and carries none
     carried = {r["task"]: r["inner_bytes"] for r in rows}
     assert carried["maml"] == 0 and carried["learned_lr"] == 3 * models.param_count(models.preset("tiny")) * 4 + 4
@@ -170,11 +170,11 @@ def test_paper_comparison_names_static_and_where_it_dominates():
     from metatrain.aot import GiB
     from metatrain.bench.report import paper_comparison
 
-    rows = [_row(44e6, "default+remat", 20 * GiB, 5 * GiB, GiB),
+    rows = [_row(44e6, "autodiff+remat", 20 * GiB, 5 * GiB, GiB),
             _row(44e6, "mixflow+remat+save", 8 * GiB, 3 * GiB, GiB),
-            _row(489e6, "default+remat", 90 * GiB, 20 * GiB, 10 * GiB),
+            _row(489e6, "autodiff+remat", 90 * GiB, 20 * GiB, 10 * GiB),
             _row(489e6, "mixflow+remat+save", 40 * GiB, 25 * GiB, 12 * GiB)]
-    text = paper_comparison(rows, {44e6: "44m", 489e6: "489m"}, "default+remat", "mixflow+remat+save")
+    text = paper_comparison(rows, {44e6: "44m", 489e6: "489m"}, "autodiff+remat", "mixflow+remat+save")
     assert "| 44m | 44M | 20.0 (15.0) | 8.0 (5.0) | 2.50x | 3.00x | 32.8 -> 12.9 |" in text
     assert "| 489m |" in text and "123.7 -> 46.9" in text and "| 62% |" in text
     # η, meta-optimizer state, ∇η, T=2 checkpoints holding one υ (the first step's is an input), carried inner
@@ -183,7 +183,7 @@ def test_paper_comparison_names_static_and_where_it_dominates():
     assert "static memory is about half or more of mixflow+remat+save's peak from 489m on" in text
     assert "which state no task or shapes" in text
     unsplit = [r | {"static_bytes": None, "dynamic_bytes": None} for r in rows]  # no loop left: peaks only
-    text = paper_comparison(unsplit, {44e6: "44m"}, "default+remat", "mixflow+remat+save")
+    text = paper_comparison(unsplit, {44e6: "44m"}, "autodiff+remat", "mixflow+remat+save")
     assert "| 44m | 44M | 20.0 (-) | 8.0 (-) | 2.50x | - | 32.8 -> 12.9 | - (not split) | - |" in text
 
 
@@ -194,7 +194,7 @@ def test_ablation_beside_the_papers_table():
     rows = [_row(44e6, v, (40 - 4 * i) * GiB, GiB, GiB) for i, v in enumerate(ABLATION)]  # 40, 36, 32, ... GiB
     rows[0]["fits"] = False
     text = ablation_comparison(rows, "44m")
-    assert "| - | - | - | default | 40.00 (over HBM) | 70.2 | 0.80x | 0.47x |" in text  # 32 ÷ 40; 32.8 ÷ 70.2
+    assert "| - | - | - | autodiff | 40.00 (over HBM) | 70.2 | 0.80x | 0.47x |" in text  # 32 ÷ 40; 32.8 ÷ 70.2
     assert "| + | + | + | mixflow+remat+save | 12.00 | 12.9 | 2.67x | 2.54x |" in text
     assert "Table 3 ('Case study for 44M transformer')" in text
     other = ablation_comparison([r | {"seq_len": 1024} for r in rows], "44m")  # not the setting we assume for it
@@ -205,7 +205,7 @@ def test_ladder_grid_on_cpu(tmp_path, capsys):
     png, timeline, out_json = tmp_path / "ladder.png", tmp_path / "timeline.png", tmp_path / "rows.json"
     # +unroll last: a row without a static/dynamic split, in the tables and the plot
     assert cli.main(["bench", "memory", "--grid", "ladder", "--models", "tiny", "--seq-len", "16", "--batch", "2",
-                     "--variants", "default+remat,mixflow+remat+save,mixflow+remat+save+unroll", "--plot", str(png),
+                     "--variants", "autodiff+remat,mixflow+remat+save,mixflow+remat+save+unroll", "--plot", str(png),
                      "--timeline", str(timeline), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "| tiny |" in out and "shown only beside MAML on TPU" in out
@@ -226,13 +226,14 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
     flags = ["--model", "44m", "--n-layers", "1", "--d-ff", "512", "--vocab", "1024", "--seq-len", "64", "--batch", "4",
              "--inner-steps", "3"]
     assert cli.main(["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1", *flags, "--variants",
-                     "mixflow+remat+save,mixflow+remat+save+bf16_state,mixflow+remat+save+bf16_state+offload+offload_opt,"
-                     "mixflow+remat+save+bf16_state+offload+offload_opt+offload_params",
+                     "mixflow+remat+save,mixflow+remat+save+bf16_state,"
+                     "mixflow+remat+save+bf16_state+offload_states+offload_moments,"
+                     "mixflow+remat+save+bf16_state+offload_states+offload_moments+offload_params",
                      "--baseline", "mixflow+remat+save", "--breakdown", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["mixflow+remat+save", "mixflow+remat+save+bf16_state",
-                                            "mixflow+remat+save+bf16_state+offload+offload_opt",
-                                            "mixflow+remat+save+bf16_state+offload+offload_opt+offload_params"]
+                                            "mixflow+remat+save+bf16_state+offload_states+offload_moments",
+                                            "mixflow+remat+save+bf16_state+offload_states+offload_moments+offload_params"]
     p = models.param_count(models.preset("44m", n_layers=1, d_ff=512, vocab_size=1024)) * 4
     for r in rows:
         assert r["backend"] == "tpu" and r["topology"] == "v5p:2x2x1" and r["fits"] and r["exact"]
@@ -246,7 +247,7 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         assert b["live_bytes"] <= r["peak_bytes"]
         assert b["param_sized_bytes"] > 0 and b["other_bytes"] > 0 and b["param_units"] >= 1
         stacks = [s for s in b["param_sized_shapes"] if s.split("[")[1].startswith("2,1,128,")]
-        if "offload" in r["variant"].split("+"):  # the checkpoints' matrices are in host memory, not on the chip
+        if "offload_states" in r["variant"].split("+"):  # the kept states' matrices are in host memory, not on the chip
             assert not stacks and 0 < r["offloaded_bytes"] <= r["host_temp_bytes"], (r, b["param_sized_shapes"])
             continue
         # +bf16_state: every checkpoint is bfloat16 in the compiled program (on CPU, XLA widens them back); without
@@ -256,10 +257,10 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         assert r["host_temp_bytes"] == r["offloaded_bytes"] == 0
     full, half, opt_too, eta_too = rows
     assert half["checkpoint_bytes"] < 0.51 * full["checkpoint_bytes"] and half["peak_bytes"] < full["peak_bytes"]
-    # +offload: the checkpoints' matrices are host temporaries (not peeled: T states of them, where the device keeps
-    # T - 1, the first step's being the inputs); the vectors stay on the chip
+    # +offload_states: the kept states' matrices are host temporaries (not peeled: T states of them, where the device
+    # keeps T - 1, the first step's being the inputs); the vectors stay on the chip
     assert opt_too["offloaded_bytes"] > half["checkpoint_bytes"] > 100 * opt_too["checkpoint_bytes"]
-    # +offload_opt: the meta-optimizer's matrices are host arguments (donated: their outputs in the same place),
+    # +offload_moments: the meta-optimizer's matrices are host arguments (donated: their outputs in the same place),
     # gone from the chip's arguments and its peak (the compiler's sizes include its tiles' padding, ours do not)
     assert half["host_io_bytes"] == half["offloaded_opt_bytes"] == 0
     assert 0 < opt_too["offloaded_opt_bytes"] <= opt_too["host_io_bytes"] < 2 * opt_too["offloaded_opt_bytes"]
