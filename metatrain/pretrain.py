@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from metatrain import aot, models
+from metatrain import models
 from metatrain import step as step_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
@@ -56,13 +56,10 @@ class Pretrainer(Trainer):
             field = "inner.lora.rank" if self.cfg.inner.lora.rank else "meta_model"
             raise ConfigError(f"{field}: pretraining trains the whole model and has no meta model; LoRA and the "
                               "scorer are meta-training settings (metatrain train)")
+        if self.cfg.inner.init_from:
+            raise ConfigError("inner.init_from is for meta-training; pretrain continues a run by resuming its work "
+                              "dir")
         return pretrain_program(self.cfg, self.mesh)
-
-    def _compile(self, program: step_lib.Program):
-        return program, aot.compile(step_lib.lower(program))
-
-    def _load_pretrained(self, path: str):
-        raise ConfigError("inner.init_from is for meta-training; pretrain continues a run by resuming its work dir")
 
     def _evaluated(self, which: str = "inner"):
         return self.state["params"], None

@@ -33,16 +33,8 @@ from metatrain.data.pipeline import DEVICE_FEATURES, Streams, to_global
 from metatrain.errors import ConfigError, TrainingError
 from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
 from metatrain.tasks import validate
+from metatrain.tasks.weight_eval import EvalContext
 from metatrain.tracking import MetricsLog, progress_bar, require_wandb
-
-
-def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
-    """P(score of a positive > score of a negative), ties counted half (Mann-Whitney U)."""
-    pos, neg = scores[positive.astype(bool)], scores[~positive.astype(bool)]
-    if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return float(greater / (len(pos) * len(neg)))
 
 
 class Trainer:
@@ -95,6 +87,9 @@ class Trainer:
             lambda theta, meta, frozen, b: self.task.with_frozen(frozen).outer_loss(theta, meta, b),
             out_shardings=self._replicated)
         # processes finish compiling at different times; Orbax's first sync is a Gloo collective (30 s to join)
+        self.evaluation = self.task.evaluation(EvalContext(
+            self.cfg, self.streams, self._outer_sharding, self._replicated,
+            lambda name, payload: self._write_json(name, payload) if self.is_main else None))
         distributed.barrier("compiled")
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
@@ -112,7 +107,7 @@ class Trainer:
     def _compile(self, program: step_lib.Program) -> tuple[step_lib.Program, jax.stages.Compiled]:
         """The compiled outer step; with mode / kept_states `auto` the best candidate's (the state's layout
         is the same for every candidate: they differ in how the meta-gradient is computed)."""
-        if AUTO not in (self.cfg.metagrad.mode, self.cfg.metagrad.kept_states):
+        if program.method is None or AUTO not in (self.cfg.metagrad.mode, self.cfg.metagrad.kept_states):
             return program, aot.compile(step_lib.lower(program))
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:
@@ -139,7 +134,7 @@ class Trainer:
 
     def _load_scorer(self, path: str):
         """The meta model from pretrained parameters at `path` (`meta_model.init_from`)."""
-        if not hasattr(self.task, "place_scorer"):
+        if not self.task.uses_meta_model:
             raise ConfigError(f"meta_model.init_from: task {self.cfg.task!r} has no meta model to start from "
                               f"{path} (loss_weighting has one)")
         return self._placed(path, lambda s: s["meta"]["lm"], step_lib.place_scorer, "meta_model.init_from")
@@ -189,86 +184,15 @@ class Trainer:
                                     for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 
-    def _scored(self, max_batches: int = 64) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray]:
-        """(scores, weights, corrupted flags, document indices) of the meta model on held-out examples of the inner
-        source, gathered on every host. With corruption flags: at least `eval_batches` (and 8) flagged batches,
-        more while one class is missing; without: `eval_batches` batches; chosen at the first call and kept.
-        Weights: the task's α(η, x) within each batch of the run's size (None for tasks without `weights`)."""
-        weights = getattr(self.task, "weights", None)
-        if not hasattr(self, "_score_fn"):
-            self._score_fn = jax.jit(lambda meta, b: (self.task.scores(meta, b), b["corrupted"],
-                                                      weights(meta, b) if weights else b["corrupted"], b["doc"]),
-                                     out_shardings=self._replicated)
-        results, meta = [], step_lib.on_device(self.state["meta"])
-        if not hasattr(self, "_scored_batches"):
-            flagged = self.cfg.data.corrupt_fraction > 0
-            n = max(self.cfg.eval_batches, 8) if flagged else self.cfg.eval_batches
-            batches = self.streams.test_batches(max_batches if flagged else n, self.cfg.data.corrupt_fraction,
-                                                seed=777, of="held_out")
-            kept = []
-            for b in batches:
-                if len(results) >= n and (not flagged or len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
-                    break
-                kept.append(to_global(b, self._outer_sharding))
-                results.append(jax.device_get(self._score_fn(meta, kept[-1])))
-            self._scored_batches = kept
-        else:
-            results = [jax.device_get(self._score_fn(meta, b)) for b in self._scored_batches]
-        scores, flags, alphas, docs = (np.concatenate(x) for x in zip(*results))
-        return (scores, alphas if weights else None,
-                flags if self.cfg.data.corrupt_fraction > 0 else None, docs)
-
-    def weight_extremes(self, k: int = 5) -> tuple[list[dict], list[dict]] | None:
-        """The k lowest- and highest-weighted held-out documents (a document's weight: the mean over its examples)
-        as {id, weight, text} with the text's first 80 characters (fewer when fewer than 2k documents were
-        scored); None for tasks without weights."""
-        if not hasattr(self.task, "weights"):
-            return None
-        _, weights, _, docs = self._scored()
-        unique, inverse = np.unique(docs, return_inverse=True)
-        mean = np.bincount(inverse, weights) / np.bincount(inverse)
-        order, k = np.argsort(mean, kind="stable"), min(k, len(unique) // 2)  # two disjoint lists
-        source = self.streams.docs
-
-        def row(j):
-            text = " ".join(source[int(unique[j])].split())
-            return {"id": source.doc_id(int(unique[j])), "weight": float(mean[j]), "text": text[:80]}
-
-        return [row(j) for j in order[:k]], [row(j) for j in order[::-1][:k]]
-
-    def corrupted_auc(self) -> float | None:
-        """ROC AUC of the meta model's scores for clean (positive) vs corrupted held-out examples; None without
-        scores or corruption, NaN if the held-out sample keeps only one class."""
-        if not hasattr(self.task, "scores") or self.cfg.data.corrupt_fraction <= 0:
-            return None
-        scores, _, flags, _ = self._scored()
-        return roc_auc(scores, 1 - flags)
-
     def evaluate(self) -> dict:
-        """Held-out evaluation: validation loss of the learned run (and the baseline), corrupted-vs-clean AUC,
-        and the weights' statistics (mean weight of clean and corrupted examples, effective sample size as a
-        fraction of the batch). The last weights and flags go to `eval_weights.json` for the run report."""
+        """Held-out evaluation: the validation loss of the learned run (and of the baseline), then the task's own
+        metrics (`Task.evaluation`; loss weighting: AUC and the weights' statistics)."""
         tic = time.perf_counter()
         out = {"step": int(self.state["step"]), "eval_validation_loss": self.validation_loss()}
         if "base" in self.state:
             out["eval_baseline_validation_loss"] = self.validation_loss("base")
-        if hasattr(self.task, "scores"):
-            scores, weights, flags, _ = self._scored()
-            both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
-            if both:
-                out["eval_auc"] = roc_auc(scores, 1 - flags)
-            if weights is not None:
-                batch = self.cfg.data.batch
-                per_batch = weights.reshape(-1, batch)  # [batches, batch]
-                p = per_batch / per_batch.sum(-1, keepdims=True)
-                out["eval_weight_ess"] = float(np.mean(1 / (p * p).sum(-1)) / batch)
-                if both:
-                    out["eval_weight_clean"] = float(weights[flags == 0].mean())
-                    out["eval_weight_corrupted"] = float(weights[flags == 1].mean())
-                if self.is_main:
-                    self._write_json("eval_weights.json", {
-                        "step": out["step"], "weights": weights.tolist(),
-                        "corrupted": None if flags is None else flags.astype(int).tolist()})
+        if self.evaluation is not None:
+            out.update(self.evaluation.metrics(step_lib.on_device(self.state["meta"]), out["step"]))
         out["eval_seconds"] = time.perf_counter() - tic
         return out
 
@@ -382,7 +306,6 @@ class Trainer:
                        skipped_updates=skipped, eval_seconds=eval_seconds)
         if "eval_baseline_validation_loss" in evaluation:
             summary["baseline_validation_loss"] = evaluation["eval_baseline_validation_loss"]
-        flagged = hasattr(self.task, "scores") and self.cfg.data.corrupt_fraction > 0
-        summary["corrupted_auc"] = evaluation.get("eval_auc", float("nan") if flagged else None)
-        summary["weight_extremes"] = self.weight_extremes()  # every process: scoring is a collective
+        if self.evaluation is not None:  # every process: scoring is a collective
+            summary.update(self.evaluation.summary(step_lib.on_device(self.state["meta"]), evaluation))
         return summary

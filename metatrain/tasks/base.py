@@ -66,6 +66,18 @@ class Task:
     lora: LoRAConfig | None = None
     frozen: Pytree = None
 
+    def evaluation(self, run) -> Any | None:
+        """Task-specific held-out metrics beside the validation loss: None (the default) for none.
+
+        Args:
+          run: a `tasks.weight_eval.EvalContext`: the run's config, data streams and shardings.
+
+        Returns:
+          None, or an object with `metrics(meta, step) -> dict` (`eval_*` metrics, every evaluation) and
+          `summary(meta, last_metrics) -> dict` (entries of the run's summary, at its end).
+        """
+        return None
+
     def __init__(self, model: ModelConfig, inner_lr: float = 1e-3, meta_model: ModelConfig | None = None,
                  lora: LoRAConfig | None = None):
         self.model = model

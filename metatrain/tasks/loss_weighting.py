@@ -59,3 +59,9 @@ class LossWeighting(Task):
     def inner_loss(self, theta, meta, batch):
         losses = self.example_losses(theta, batch)
         return jnp.mean(self.weights(meta, batch).astype(losses.dtype) * losses)
+
+    def evaluation(self, run):
+        """The weights' held-out metrics: AUC for clean vs corrupted, weight statistics, extremes."""
+        from metatrain.tasks.weight_eval import WeightEvaluation
+
+        return WeightEvaluation(self, run)

@@ -54,3 +54,15 @@ class OwnModel(Task):
 
     def outer_loss(self, theta, meta, batch):
         return self._losses(theta, batch).mean()
+
+    def evaluation(self, run):
+        """Its own held-out metric, through the Trainer's task-side hook."""
+        return DecayMetric()
+
+
+class DecayMetric:
+    def metrics(self, meta, step):
+        return {"eval_decay": float(jnp.exp(meta["log_decay"]))}
+
+    def summary(self, meta, last):
+        return {"decay": last["eval_decay"]}

@@ -1,5 +1,7 @@
 """The task interface: a user's own task by import path, and clear errors for broken contracts."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -132,6 +134,9 @@ def test_a_task_that_brings_its_own_model_trains_checks_and_compiles(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     start, end = (float(x) for x in res.stdout.split("\nvalidation loss: ")[-1].split()[:3:2])
     assert 0.3 < start < 1.5 and 0.3 < end < 1.5  # binary cross-entropy of the task's own model, not a token loss
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    decay = [r["eval_decay"] for r in rows if "eval_decay" in r]  # the task's own evaluation hook, logged
+    assert decay and 0.1 < decay[-1] < 0.2, rows  # exp(-2) = 0.135, moved a little by two meta-steps
     res = metatrain("check-grads", "--task", "custom_tasks:OwnModel", "--variants", "mixflow+remat+save,revfwd")
     assert res.returncode == 0 and "all 3 variants within tolerance" in res.stdout, res.stdout + res.stderr[-3000:]
     res = metatrain("compile", "--task", "custom_tasks:OwnModel", "--model", "tiny", "--batch", "2", "--seq-len", "16")

@@ -179,7 +179,7 @@ def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
 
 
 def test_roc_auc_against_the_rank_formula():
-    from metatrain.trainer import roc_auc
+    from metatrain.tasks.weight_eval import roc_auc
 
     rng = np.random.default_rng(0)
     scores = np.round(rng.normal(size=200), 1)  # many ties
