@@ -39,17 +39,17 @@ class DataConfig:
     outer_source: str = ""  # a trusted set for the outer (validation) loss; default: 1 in outer_every of `source`
     text_field: str = "text"  # jsonl / parquet / hf-disk: the field holding a document's text
     id_field: str = "id"  # ... and its id (when absent: the line or row number)
-    data_dir: str | None = None
-    split: str = "train"
-    tokenizer: str = DEFAULT_ENCODING
-    vocab_size: int | None = 8192
-    seq_len: int = 128
+    data_dir: str | None = None  # TFDS data dir (default: TFDS's own); may be a gs:// path
+    split: str = "train"  # the TFDS split, or a saved DatasetDict's split (hf-disk:)
+    tokenizer: str = DEFAULT_ENCODING  # a tiktoken encoding name, or hf:DIR (a tokenizer.json through `tokenizers`)
+    vocab_size: int | None = 8192  # tiktoken: keep the N-1 lowest BPE ranks + end-of-text (0 or null: all); not for hf:
+    seq_len: int = 128  # tokens per packed row (rows hold seq_len + 1 tokens)
     batch: int = 16  # global: split across processes
-    inner_steps: int = 2
+    inner_steps: int = 2  # T: inner steps per outer step
     outer_every: int = 10  # 1 in k documents feeds the outer stream, 1 in k is held out for evaluation
     shuffle_window: int = 2048  # packed rows are shuffled within windows of this many rows
     corrupt_fraction: float = 0.0  # of inner documents: tokens shuffled within the document
-    seed: int = 0
+    seed: int = 0  # shuffling and corruption
     shards: int = 0  # logical data shards; 0 = one per process. Fix it to make batches independent of hosts
 
     def __post_init__(self):

@@ -38,11 +38,11 @@ AUTO = "auto"
 
 @dataclasses.dataclass(frozen=True)
 class MetaOptConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 1e-3  # AdamW step size for η
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay on η
+    warmup_steps: int = 0  # linear warm-up from 0 over this many outer steps
     schedule: str = "constant"  # constant | cosine
-    clip_norm: float = 1.0
+    clip_norm: float = 1.0  # the meta-gradient is clipped to this global norm
     eps: float = 1e-8  # Adam's denominator floor
     # its moments (matrices and up) in host memory between outer steps, on the device only for the update at the
     # step's end, when the backward pass's buffers are free (TPU/GPU; no gain on CPU)
@@ -68,9 +68,7 @@ class MetaGradConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axis
-    fsdp: int = 1
-
-
+    fsdp: int = 1  # devices each parameter is sharded over (along the embed axis)
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
     # the inner model starts from: a `metatrain pretrain` work dir, an export / import dir, or hf:DIR (a local Hugging
@@ -87,11 +85,10 @@ class MetaModelConfig:
 
     preset: str = ""  # a model preset: smollm2-135m, 44m, small, ...
     init_from: str = ""  # a `metatrain export` / `metatrain import hf` dir or hf:DIR; same tokenizer as the inner model
-    d_model: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    d_ff: int = 0
-
+    d_model: int = 0  # 0: the preset's or checkpoint's
+    n_layers: int = 0  # 0: the preset's or checkpoint's
+    n_heads: int = 0  # 0: the preset's or checkpoint's
+    d_ff: int = 0  # 0: the preset's or checkpoint's
     @property
     def given(self) -> bool:
         return any(dataclasses.astuple(self))
@@ -100,33 +97,33 @@ class MetaModelConfig:
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
     wandb: bool = False  # also log to Weights & Biases (pip install wandb); resumes the same W&B run
-    wandb_project: str = "metatrain"
+    wandb_project: str = "metatrain"  # the W&B project
     wandb_entity: str = ""  # default: your W&B default entity
     wandb_name: str = ""  # default: the work dir's name
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    task: str = "loss_weighting"
+    task: str = "loss_weighting"  # loss_weighting | maml | learned_lr | package.module:Class (a Task subclass of yours)
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(
         d_model=64, n_heads=4, d_ff=256, n_layers=2, remat=True))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    inner_lr: float = 1e-3
+    inner_lr: float = 1e-3  # the inner Adam step size
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     meta_model: MetaModelConfig = dataclasses.field(default_factory=MetaModelConfig)
     metagrad: MetaGradConfig = dataclasses.field(default_factory=MetaGradConfig)
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
-    steps: int = 300
-    seed: int = 0
-    workdir: str = "runs/default"
+    steps: int = 300  # outer steps (meta-updates) to train for
+    seed: int = 0  # initialises η, θ and the baseline
+    workdir: str = "runs/default"  # where config, logs, plots and checkpoints go (a local path or gs://...)
     baseline: str = "none"  # none | uniform: also train the inner model with uniform weights on the same data
-    eval_batches: int = 8
+    eval_batches: int = 8  # held-out batches per evaluation
     eval_every: int = 0  # held-out evaluation every this many steps and at the end; 0: 10 points per run
-    log_every: int = 10
+    log_every: int = 10  # write training metrics every this many steps
     checkpoint_every: int = 100  # 0: only at the end and when stopped
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # the newest this many checkpoints are kept
     max_bad_steps: int = 5  # stop after this many non-finite meta-gradients in a row
 
 

@@ -25,27 +25,28 @@ class ModelConfig:
     (used by meta models, e.g. per-example loss weights).
     """
 
-    vocab_size: int = 1024
-    d_model: int = 128
-    n_heads: int = 4
+    vocab_size: int = 1024  # follows the tokenizer in runs (data.vocab_size)
+    d_model: int = 128  # the residual stream width
+    n_heads: int = 4  # attention heads
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means n_heads, 1 is multi-query
     kv_size: int = 0  # per-head size; 0 means d_model // n_heads
-    d_ff: int = 512
-    n_layers: int = 2
+    d_ff: int = 512  # the MLP hidden width
+    n_layers: int = 2  # transformer blocks
     mlp: str = "gelu"  # gelu: w_out(gelu(w_in x)) | swiglu: w_out(silu(w_gate x) * w_in x)
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the output head is the transposed input embedding
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-    head: str = "lm"
+    head: str = "lm"  # lm: next-token logits | score: one scalar per example (pooled)
     rope_base: float = 10_000.0  # Hugging Face's rope_theta
     rope_scaling: str = ""  # "" | llama3 (Llama 3.1+ frequency scaling, with the four rope_* fields below)
-    rope_factor: float = 8.0
+    rope_factor: float = 8.0  # llama3 scaling: the frequency division factor
+    # llama3 scaling: wavelengths above max_positions / this are divided by rope_factor
     rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
-    norm_eps: float = 1e-6
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below max_positions / this are kept
+    rope_original_max_positions: int = 8192  # llama3 scaling: the context length the model was trained at
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
     remat: bool = False  # rematerialise each block in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
-    param_dtype: str = "float32"
+    param_dtype: str = "float32"  # the dtype parameters are stored and updated in (float32, bfloat16, float64)
     compute_dtype: str = ""  # matmuls and activations ("" = param_dtype); softmax and losses stay >= float32
     attention: str = "dense"  # dense | blockwise (online softmax over key blocks: no [batch, heads, S, S])
     attention_block: int = 512  # query and key block size of blockwise attention

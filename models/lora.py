@@ -30,10 +30,9 @@ class LoRAConfig:
     """`rank` 0: no adapters (θ is the whole model). `targets`: comma-separated projections among q,k,v,o (attention)
     and up,gate,down (MLP; gate exists in SwiGLU models only and is skipped in GELU ones)."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    targets: str = ",".join(TARGETS)
-
+    rank: int = 0  # 0: no adapters (θ is the whole model); R > 0: θ is rank-R adapters on a frozen base
+    alpha: float = 16.0  # adapters are applied as (alpha / rank) · x·A·B
+    targets: str = ",".join(TARGETS)  # comma list among q,k,v,o,up,gate,down (gate: SwiGLU models only)
     def __post_init__(self):
         if self.rank < 0:
             raise ConfigError(f"inner.lora.rank must be >= 0 (0 = no LoRA), got {self.rank}")
