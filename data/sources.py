@@ -250,7 +250,22 @@ class Tfds(Indexed):
 
 def open_source(spec: str, *, split: str = "train", data_dir: str | None = None, text_field: str = "text",
                 id_field: str = "id"):
-    """The document source named by `spec` (see the module docstring for the forms)."""
+    """The document source named by `spec`: a random-access sequence of document texts with ids.
+
+    Args:
+      spec: `builtin`, `tfds:NAME`, `jsonl:PATH`, `parquet:PATH`, `dir:PATH` or `hf-disk:PATH` (PATH may be a glob
+        for jsonl and parquet).
+      split: the TFDS split, or a saved `DatasetDict`'s split.
+      data_dir: the TFDS data dir.
+      text_field: the field or column holding a document's text.
+      id_field: the field or column holding its id (when absent: the line or row number).
+
+    Returns:
+      A source: `len(source)`, `source[i]` (the text) and `source.doc_id(i)`.
+
+    Raises:
+      DataError: a missing path, no documents, a missing field or a bad record, in one line naming it.
+    """
     if spec == "builtin":
         return Builtin(builtin_corpus_files())
     kind, _, rest = spec.partition(":")

@@ -236,11 +236,20 @@ def read_source(src: str, what: str | None = None, adapters: bool = False) -> Ex
 
 def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax",
            adapters: bool = False, overwrite: bool = False) -> tuple[str, str]:
-    """Write parameters out of `src` (a work dir or an export dir): `orbax` an export dir that `inner.init_from`
-    accepts, `hf` a Hugging Face model dir. `what` defaults to inner for hf and to meta (pretrain runs: the model)
-    for orbax. A LoRA run's model is merged into its base weights; `adapters` (orbax only) writes the adapters
-    alone. `out` must be new or empty (`overwrite`: or hold only what an export wrote). Returns (the output dir, one
-    line saying what was written)."""
+    """Write parameters out of a run's latest checkpoint, or of an export dir.
+
+    Args:
+      src: a work dir, or an export / import dir.
+      out: the output dir (default: `src/export` or `src/hf`); new or empty, or with `overwrite` one holding only
+        what an export or import wrote.
+      what: `inner`, `meta` or `baseline`; default inner for hf, meta (a pretrain run: its model) for orbax.
+      fmt: `orbax` (an export dir that `inner.init_from` accepts) or `hf` (a Hugging Face model dir).
+      adapters: a LoRA run's adapters alone (orbax only); otherwise they are merged into the base weights.
+      overwrite: replace an earlier export in `out`.
+
+    Returns:
+      (the output dir, one line saying what was written).
+    """
     if fmt not in FORMATS:
         raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
     if adapters and fmt != "orbax":
@@ -270,8 +279,16 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
 
 
 def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, ModelConfig]:
-    """A local Hugging Face model dir -> an export dir (`params/`, `export.json`, tokenizer files) that
-    `inner.init_from` accepts. Tensors are read one at a time. `out` as for `export`."""
+    """Import a local Hugging Face model dir as an export dir that `inner.init_from` accepts.
+
+    Args:
+      directory: a `llama` or `qwen2` model dir; its tensors are read one at a time.
+      out: the export dir to write (`params/`, `export.json`, tokenizer files), as for `export`.
+      overwrite: replace an earlier import in `out`.
+
+    Returns:
+      (the export dir, the model's `ModelConfig`).
+    """
     from flax import nnx
 
     from metatrain import models
@@ -291,8 +308,17 @@ def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, M
 
 
 def load_params(path: str, target, field: str = "inner.init_from"):
-    """Pretrained parameters from a `metatrain pretrain` work dir (its latest checkpoint) or an export
-    directory, or a Hugging Face model dir (`hf:DIR`), restored onto `target` (ShapeDtypeStructs with shardings)."""
+    """Pretrained parameters restored onto given shapes and shardings.
+
+    Args:
+      path: a `metatrain pretrain` work dir (its latest checkpoint), an export / import dir, or `hf:DIR`.
+      target: the parameters' `jax.ShapeDtypeStruct`s, with shardings.
+      field: the config key named in errors.
+
+    Returns:
+      The parameters, placed as `target` says; a checkpoint of another shape is refused naming the first
+      parameter that differs.
+    """
     path = paths.prefixed(path, (HF_PREFIX,), bare=True)
     if path.startswith(HF_PREFIX):
         from flax import nnx

@@ -188,7 +188,15 @@ class _Tensors:
 
 
 def read(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, pure-dict parameters of `Transformer(cfg)`) of a local Hugging Face model dir."""
+    """The architecture and parameters of a local Hugging Face model dir.
+
+    Args:
+      directory: a `llama` or `qwen2` model dir.
+      dtype: the parameters' dtype.
+
+    Returns:
+      (`ModelConfig`, the parameters as a pure dict of `Transformer(cfg)`'s state).
+    """
     from metatrain import models
 
     hf = read_config(directory)
@@ -259,8 +267,15 @@ def copy_tokenizer(source: str | None, out: str) -> list[str]:
 
 
 def load(directory: str, dtype: str = "float32"):
-    """The NNX model of a local Hugging Face model dir: `model(tokens)` with int tokens [batch, seq] gives
-    logits [batch, seq, vocab] (in `dtype`, float32 by default)."""
+    """The NNX model of a local Hugging Face model dir (`llama` or `qwen2`).
+
+    Args:
+      directory: a dir with `config.json` and `model.safetensors` (or a sharded index).
+      dtype: the parameters' dtype.
+
+    Returns:
+      An NNX model: `model(tokens)` with int tokens [batch, seq] gives logits [batch, seq, vocab].
+    """
     import jax.numpy as jnp
     from flax import nnx
 

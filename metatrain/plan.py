@@ -18,8 +18,12 @@ A plan has three parts, named `step+loop[+seeded]` (e.g. `two_steps+peeled+seede
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from metatrain.models import grad_seed
+from metatrain.models import ModelConfig, grad_seed
+
+if TYPE_CHECKING:
+    from metatrain.unroll import MetaGradMethod
 
 STEPS = ("two_steps", "stored", "checkpointed")
 LOOPS = ("peeled", "scan", "unrolled", "sqrt", "binomial")
@@ -38,7 +42,7 @@ class Plan:
         return "+".join([self.step, self.loop] + (["seeded"] if self.seeded else []))
 
 
-def choose(method, n_steps: int, model=None) -> Plan:
+def choose(method: MetaGradMethod, n_steps: int, model: ModelConfig | None = None) -> Plan:
     """The plan for a meta-gradient method, T inner steps and the inner model's config.
 
     Args:

@@ -191,8 +191,17 @@ class Program:
 
 def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
                  kept_states: str | None = None) -> Program:
-    """The meta-training program of a run config (the one place config becomes task, optimizer and method).
-    `mode` / `kept_states` override the config's (mode=auto tries each); `cfg.model` is used as given."""
+    """The meta-training program of a run config: the one place config becomes task, optimizer and method.
+
+    Args:
+      cfg: the run's `Config` (`cfg.model` is used as given).
+      mesh: the device mesh (`data` x `fsdp`) the program runs on.
+      mode: a meta-gradient mode overriding `cfg.metagrad.mode` (`metagrad.mode=auto` tries each).
+      kept_states: overrides `cfg.metagrad.kept_states` likewise.
+
+    Returns:
+      A `Program`: task, init and step functions, mesh, shapes; `program.plan` names its inner-loop program.
+    """
     task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
     g = cfg.metagrad
@@ -247,12 +256,27 @@ def random_batches(data: DataConfig, vocab: int, key: jax.Array) -> Batches:
 
 
 def lower(program: Program) -> jax.stages.Lowered:
-    """The program's outer step, jitted (state donated) and lowered with abstract, sharded inputs."""
+    """The program's outer step, jitted (state donated) and lowered with abstract, sharded inputs.
+
+    Args:
+      program: a `Program` (`meta_program` or plain pretraining).
+
+    Returns:
+      The `jax.stages.Lowered` step that the Trainer runs and every tool compiles.
+    """
     step = jax.jit(program.step, donate_argnums=0,
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
     return step.lower(abstract(program.state_shapes, program.state_shardings), *batch_specs(program.data, program.mesh))
 
 
 def init(program: Program, key: jax.Array) -> State:
-    """The initial state, allocated with its shardings."""
+    """The initial state, allocated with its shardings.
+
+    Args:
+      program: a `Program`.
+      key: a JAX random key.
+
+    Returns:
+      The state dict (step, η, meta-optimizer state, inner state, ...), placed on the program's mesh.
+    """
     return jax.jit(program.init, out_shardings=program.state_shardings)(key)

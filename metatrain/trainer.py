@@ -38,6 +38,15 @@ from metatrain.tracking import MetricsLog, progress_bar, require_wandb
 
 
 class Trainer:
+    """Runs meta-training for a run config: owns the mesh, the sharded state, the compiled outer step, the data
+    streams, logs and checkpoints. It knows no particular task: task-specific evaluation comes from
+    `Task.evaluation`.
+
+    Args:
+      cfg: the run's `Config` (`config.load`).
+      show_progress: show a progress bar on process 0.
+    """
+
     kind = "meta-train"
 
     def __init__(self, cfg: Config, *, show_progress: bool = True):
@@ -244,6 +253,15 @@ class Trainer:
         return f"the last checkpoint, step {step} in {self.checkpoints.dir}, is intact"
 
     def train(self) -> dict:
+        """Run the outer steps from the current state to `cfg.steps`, evaluating, logging and checkpointing.
+
+        Returns:
+          The run's summary: start and end validation loss, seconds, skipped updates, evaluation seconds, the
+          baseline's validation loss (with one) and what the task's evaluation adds.
+
+        Raises:
+          TrainingError: stopped by a signal (after saving), or by `max_bad_steps` non-finite updates in a row.
+        """
         cfg = self.cfg
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         start_step = int(self.state["step"])

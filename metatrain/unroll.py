@@ -32,20 +32,20 @@ KEPT_STATES = ("every_step", "sqrt", "binomial")
 
 @dataclasses.dataclass(frozen=True)
 class MetaGradMethod:
-    """How the meta-gradient is computed: the differentiation mode, whether inner gradients are saved in
-    the per-step checkpoint, and which inner states are kept. Block remat is a model option
-    (`ModelConfig.remat`).
+    """How the meta-gradient is computed (the run config's `metagrad.*`; block remat is `model.remat`).
 
-    `kept_states` says which inner states the forward pass keeps for the backward pass:
-    `every_step` all T; `sqrt` the starts of ⌈T/k⌉ segments of k = ⌈√T⌉ steps, each segment re-run
-    in the backward pass (T extra inner steps); `binomial` recursive halving down to parts of two
-    steps, each level re-run (about T·(log2(T) - 1) extra inner steps), keeping O(log T) states at
-    any time. Saved inner gradients are kept for the steps of the part being differentiated.
+    `plan.choose` turns a method, T and the model's options into the program that runs.
 
-    `state_dtype`: the dtype the kept inner states (θ_i, υ_i) and saved gradients are stored in ("": as
-    computed); `offload_states`: they are kept in host memory (pinned_host) until the backward pass needs
-    them; see `stored_step`. `unroll`: the inner steps are traced one after the other instead of as a loop (see
-    `unrolled`).
+    Args:
+      mode: `mixflow` (forward-over-reverse), `autodiff` (reverse-over-reverse) or `revfwd`.
+      save_inner_grads: keep each inner gradient for the backward pass instead of recomputing it.
+      kept_states: which inner states the forward pass keeps for the backward pass: `every_step` all T; `sqrt`
+        the starts of ⌈T/k⌉ segments of k = ⌈√T⌉ steps, each segment re-run in the backward pass (T extra inner
+        steps); `binomial` recursive halving down to parts of two steps, each level re-run (about T·(log2(T) - 1)
+        extra inner steps), keeping O(log T) states at any time.
+      state_dtype: the dtype the kept states (θ_i, υ_i) and saved gradients are stored in ("": as computed).
+      offload_states: keep them in host memory (pinned_host) until the backward pass needs them (`stored_step`).
+      unroll: trace the inner steps one after the other instead of as a loop (`unrolled`).
     """
 
     mode: str = "mixflow"

@@ -30,7 +30,7 @@ builds θ itself should start from `self.init_params(key)`, which gives the adap
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,9 @@ from flax import nnx
 from metatrain import models
 from metatrain.errors import ConfigError, TaskError
 from metatrain.models import LoRAConfig, ModelConfig, split_adapters
+
+if TYPE_CHECKING:
+    from metatrain.tasks.weight_eval import EvalContext
 
 Pytree = Any
 
@@ -66,7 +69,7 @@ class Task:
     lora: LoRAConfig | None = None
     frozen: Pytree = None
 
-    def evaluation(self, run) -> Any | None:
+    def evaluation(self, run: EvalContext) -> Any | None:
         """Task-specific held-out metrics beside the validation loss: None (the default) for none.
 
         Args:
@@ -93,23 +96,80 @@ class Task:
 
     # ---- the five pieces -------------------------------------------------------------------
     def init_meta(self, key: jax.Array) -> Pytree:
+        """The meta-parameters η at the start of meta-training. Every task defines it.
+
+        Args:
+          key: a JAX random key.
+
+        Returns:
+          η, a pytree of floating-point arrays.
+        """
         raise NotImplementedError(f"task {self.name!r} must define init_meta(key)")
 
     def init_inner(self, key: jax.Array, meta: Pytree) -> tuple[Pytree, Pytree]:
+        """The inner state at the start of training: a fresh model and its Adam state by default.
+
+        Args:
+          key: a JAX random key.
+          meta: η.
+
+        Returns:
+          (θ_0, υ_0): the inner parameters and the inner optimiser's state.
+        """
         theta = self.init_params(key)
         return theta, self.inner_opt.init(theta)
 
     def inner_start(self, meta: Pytree, inner: tuple[Pytree, Pytree]) -> tuple[Pytree, Pytree]:
+        """Where each outer step's inner loop starts: the carried state by default (truncated BPTT).
+
+        Args:
+          meta: η.
+          inner: the carried (θ, υ), or None for tasks with `resets_inner = True`.
+
+        Returns:
+          (θ_0, υ_0) of this outer step.
+        """
         return inner
 
     def inner_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
+        """L(θ, η, x): the inner loss, the mean next-token loss by default.
+
+        Args:
+          theta: the inner parameters θ (the LoRA adapters under LoRA).
+          meta: η; its floating-point leaves get mixed second derivatives.
+          batch: a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`.
+
+        Returns:
+          A scalar.
+        """
         return self.example_losses(theta, batch).mean()
 
     def update(self, grads: Pytree, theta: Pytree, opt_state: Pytree, meta: Pytree) -> tuple[Pytree, Pytree]:
+        """Υ: one inner optimiser step, Adam by default (`eps_root > 0`, so it is differentiable at zero gradients).
+
+        Args:
+          grads: ∇_θ L at (θ, η, x).
+          theta: θ_i.
+          opt_state: υ_i.
+          meta: η.
+
+        Returns:
+          (θ_{i+1}, υ_{i+1}).
+        """
         updates, opt_state = self.inner_opt.update(grads, opt_state, theta)
         return optax.apply_updates(theta, updates), opt_state
 
     def outer_loss(self, theta: Pytree, meta: Pytree, batch: dict) -> jax.Array:
+        """V(θ_T, η, x_val): the outer loss, the mean next-token loss by default; also the run's validation loss.
+
+        Args:
+          theta: θ_T, the inner parameters after the T inner steps.
+          meta: η.
+          batch: an outer batch (as in `inner_loss`).
+
+        Returns:
+          A scalar.
+        """
         return self.example_losses(theta, batch).mean()
 
     def place_pretrained(self, params: Pytree, meta: Pytree, inner
@@ -152,7 +212,15 @@ class Task:
 
     # ---- helpers ---------------------------------------------------------------------------
     def example_losses(self, theta: Pytree, batch: dict) -> jax.Array:
-        """Next-token loss per example, [batch], of the inner model with parameters `theta`."""
+        """Next-token loss per example of the inner model with parameters `theta`.
+
+        Args:
+          theta: θ (the adapters under LoRA).
+          batch: a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`.
+
+        Returns:
+          float32 [batch]: each example's mean next-token loss over its valid positions.
+        """
         return self.inner_model(theta).example_losses(batch["tokens"], batch.get("segment_ids"),
                                                       batch.get("positions"))
 
