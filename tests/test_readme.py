@@ -1,11 +1,11 @@
-"""The README run as a user runs it: the command blocks marked `<!-- test: NAME -->`, as written, in bash, from a
-folder outside the checkout, with relative paths and `~`, on the package built as a wheel and installed
-(not editable) in a virtual environment of its own.
+"""The README and the docs run as a user runs them: the command blocks marked `<!-- test: NAME -->` (in README.md and
+docs/*.md), as written, in bash, from a folder outside the checkout, with relative paths and `~`, on the package
+built as a wheel and installed (not editable) in a virtual environment of its own.
 
 Only the sizes change: a `metatrain` shell function puts tiny model and data overrides after the preset of every
 `train` / `pretrain` (2 steps; a `steps=N` the README gives, as when a run is continued, becomes 4) and checks just
-one variant in `check-grads`. Every marked block is run by a test here, so a README block that stops working fails
-the suite.
+one variant in `check-grads`. Every marked block is run by a test here, so a block that stops working fails the
+suite.
 """
 
 import fcntl
@@ -44,8 +44,14 @@ metatrain() {{
 """
 
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def readme_blocks() -> dict[str, tuple[str, str]]:
-    return {name: (lang, body) for name, lang, body in BLOCK.findall((ROOT / "README.md").read_text())}
+    """The marked blocks of the README and the docs pages, by name (each name once)."""
+    found = [block for page in PAGES for block in BLOCK.findall(page.read_text())]
+    assert len({name for name, _, _ in found}) == len(found), "a block name is used twice"
+    return {name: (lang, body) for name, lang, body in found}
 
 
 SOURCES = ("pyproject.toml", "README.md", "metatrain", "models", "data", "launch", "configs")

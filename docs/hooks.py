@@ -1,0 +1,32 @@
+"""mkdocs hook: the package as installed (`metatrain.models` is `models/`, ...), laid out for mkdocstrings to read.
+
+pyproject.toml maps `models/`, `data/`, `launch/` and `configs/` into the `metatrain` package; mkdocstrings reads
+sources from disk, so it gets a tree of links with that layout, under the site's build folder.
+"""
+
+import os
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE = ROOT / "build" / "api-sources"
+
+
+def on_config(config, **kwargs):
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    package = TREE / "metatrain"
+    package.mkdir(parents=True, exist_ok=True)
+    for entry in (ROOT / "metatrain").iterdir():
+        _link(entry, package / entry.name)
+    for name, folder in mapping.items():
+        if name != "metatrain":
+            _link(ROOT / folder, package / name.split(".", 1)[1])
+    return config
+
+
+def _link(target: Path, link: Path) -> None:
+    if link.is_symlink() or link.exists():
+        if link.is_symlink() and os.readlink(link) == str(target):
+            return
+        link.unlink()
+    link.symlink_to(target)
