@@ -82,8 +82,8 @@ class Trainer:
         if self.is_main:
             plan = self.program.plan
             if plan is not None:
-                tqdm.write(f"meta-gradient: {plan.name} (mode {self.program.method.mode}, "
-                           f"T={cfg.data.inner_steps}; see the engine design docs)", file=sys.stderr)
+                tqdm.write(f"meta-gradient: {plan.name} (mode {self.program.method.mode}, T={cfg.data.inner_steps})",
+                           file=sys.stderr)
             self._write_json("outer_step.json", {
                 "mesh": dict(self.mesh.shape), **({"plan": plan.name} if plan else {}),
                 **(dataclasses.asdict(self.program.method) if self.program.method else {}), **self.memory})
