@@ -1,7 +1,7 @@
 """`metagrad.mode=auto` and `metagrad.kept_states=auto`: compile every candidate outer step, keep the lowest peak.
 
 The candidates are the run's own program (`step.meta_program`) in each meta-gradient mode and/or with
-each inner-checkpoint schedule (every_step, sqrt). All of them compute the same meta-gradient
+each kept-states schedule (every_step, sqrt). All of them compute the same meta-gradient
 (`metatrain check-grads` shows it), so the choice changes memory and time only: the lowest peak memory
 wins, and among candidates within 1% of it, the fewest FLOPs. The winner's compiled program is the one
 the Trainer runs (no second compile).

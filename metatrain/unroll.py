@@ -70,7 +70,7 @@ class MetaGradMethod:
                               f"choose one of {KEPT_STATES}")
         if self.state_dtype and not _float_dtype(self.state_dtype):
             raise ConfigError(f"metagrad.state_dtype: {self.state_dtype!r} is not a floating-point dtype; use "
-                              "bfloat16, or leave it empty to store the per-step checkpoint as computed")
+                              "bfloat16, or leave it empty to store the kept inner states as computed")
         if self.state_dtype and jnp.finfo(self.state_dtype).bits < 32 and not self.save_inner_grads:
             raise ConfigError(NARROW_NEEDS_SAVE)
 
@@ -241,7 +241,7 @@ def unrolled(step: Callable, carry, batches, loop: str = "peeled", unroll: bool 
 
     `peeled` takes the first step before the loop; `unrolled` traces the steps one after the other, not as a loop
     (`unroll`: the same within each `sqrt` / `binomial` segment). The same arithmetic; what changes is memory: a loop
-    keeps its per-step checkpoints in [T, ...] stacks that live until the loop's backward pass ends, and XLA copies
+    keeps its kept inner states in [T, ...] stacks that live until the loop's backward pass ends, and XLA copies
     each step's slice out of them; unrolled, each step's checkpoint is its own buffer, freed as soon as that step's
     backward pass has used it. The program grows with T (compile time too)."""
     n = jax.tree.leaves(batches)[0].shape[0]

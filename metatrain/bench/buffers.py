@@ -9,7 +9,7 @@ aliasing it) are one region here, counted once. `read_dump` gives the regions; `
 each position of the schedule (a loop's body appears once: its iterations reuse the same buffers);
 `peak_regions` those live where that sum peaks; `breakdown` sorts them into the program's inputs (arguments:
 the state and batches), parameter-sized buffers (a leaf of θ's shape, or a stack of a few:
-gradients, cotangents, HVP results, per-step checkpoints, Adam moments) and the rest (activations and their
+gradients, cotangents, HVP results, kept inner states, Adam moments) and the rest (activations and their
 derivatives, small buffers). On a TPU the live sum where it peaks is the compiled peak (`peak_memory_in_bytes`)
 and the figures are the HBM's (memory space 0; VMEM is left out); on CPU it is at most the compiled peak (the
 allocator also leaves gaps).
@@ -208,8 +208,8 @@ def backward_start(regions: list[dict], leaves: set[tuple[int, ...]]) -> int | N
     return min(starts, default=None)
 
 
-def checkpoints_at_peak(regions: list[dict], n: int, param_leaves: list[tuple[int, ...]]) -> dict:
-    """The per-step checkpoints as the compiled program keeps them: parameter-sized temporaries written in the
+def kept_states_at_peak(regions: list[dict], n: int, param_leaves: list[tuple[int, ...]]) -> dict:
+    """The kept inner states as the compiled program keeps them: parameter-sized temporaries written in the
     forward pass (before `backward_start`) and live at the peak (which can come before that start: the outer
     loss's gradient in [batch, seq, vocab] logits). Where no loop over inner steps is left the
     compiler frees or never keeps some of them (at T=2 it recomputes the first step's Adam moments from the
@@ -221,7 +221,7 @@ def checkpoints_at_peak(regions: list[dict], n: int, param_leaves: list[tuple[in
     kept = [] if start is None else [r for r in regions if r["kind"] == "temp" and r["start"] < start
                                      and r["start"] <= t <= r["end"] and _param_sized(_dims(r["shape"]), leaves)
                                      and written_forward(r)]
-    return {"peak_position": t, "backward_start": start, "checkpoint_live_bytes": sum(r["bytes"] for r in kept)}
+    return {"peak_position": t, "backward_start": start, "kept_live_bytes": sum(r["bytes"] for r in kept)}
 
 
 def written_forward(region: dict) -> bool:

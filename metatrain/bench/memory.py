@@ -7,14 +7,14 @@ inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TP
 
 - peak     = everything live at the high-water mark: on TPU the compiler's own figure (`aot.compiled_memory`),
              on CPU arguments + outputs - aliased + temp
-- static   = arguments + outputs - aliased + per-step checkpoints + ∇η: the state (η, the meta-optimizer
+- static   = arguments + outputs - aliased + kept inner states + ∇η: the state (η, the meta-optimizer
              state, a carried inner state), the batches, (T - 1) x (θ, υ) (the first step's are the inputs) and
              with saved inner gradients T x ∇L, and the meta-gradient: allocated once, written once.
 - dynamic  = peak - static: activations and partial derivatives that are reused from step to step.
              This is what mixed-mode differentiation reduces.
 - Where no loop over inner steps is left (`+unroll`, or T=2: `unroll.straight_line`) the checkpoints are freed
   step by step and the compiler keeps only those it needs (at T=2 it recomputes the first step's Adam moments from
-  the saved gradient): their bytes are then read from the buffer assignment (`buffers.checkpoints_at_peak`: the
+  the saved gradient): their bytes are then read from the buffer assignment (`buffers.kept_states_at_peak`: the
   parameter-sized buffers written in the forward pass and live at the peak), at most the count from shapes;
   `static_from` says which ("buffers" or "shapes"). A row without a backward pass found in the dump, or whose θ
   has no leaf of 64K elements (too small to tell from activations), is not split.
@@ -62,11 +62,11 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     theta, opt_state = jax.eval_shape(program.task.inner_start, state["meta"], state["inner"])
     stored = lambda tree: tree if not variant.state_dtype else jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, variant.state_dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-        else x, tree)  # the per-step checkpoint's dtype (+bf16_state)
+        else x, tree)  # the kept inner states' dtype (+bf16_state)
     kept = segments(d.inner_steps, variant.kept_states)
     peel = variant.method.peel  # the first step's (θ, υ) are the outer step's inputs (`unroll.peeled`)
 
-    def checkpoint_bytes(select=lambda x: True):
+    def kept_bytes(select=lambda x: True):
         """kept states: (T - 1) x (θ, υ) (T x with +offload_states: not peeled) [+ T x ∇L]; with a
         schedule the (θ, υ) at each segment start (re-run parts are dynamic memory); of the leaves `select` picks"""
         params = _on_device(stored(theta), mesh, select)
@@ -74,10 +74,10 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         grads = d.inner_steps * params if variant.save and len(kept) == d.inner_steps else 0
         return kept_states(d.inner_steps, variant.kept_states, peel) * per_step + grads
 
-    checkpoints = checkpoint_bytes()
+    checkpoints = kept_bytes()
     # +offload_states: on a TPU the kept states' matrices are in host memory (memory_analysis' host temp), not in the
     # device's peak (`unroll.stored_step`); on CPU host memory is the same memory
-    offloaded = checkpoint_bytes(offloadable) if variant.offload_states and topology else 0
+    offloaded = kept_bytes(offloadable) if variant.offload_states and topology else 0
     # +offload_moments: the meta-optimizer's matrices are host-memory arguments there (the same rule)
     opt_offloaded = _on_device(state["meta_opt"], mesh, offloadable) if variant.offload_moments and topology else 0
     # +offload_params: η's matrices too
@@ -89,7 +89,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
         "offloaded_opt_bytes": opt_offloaded,
         # the carried inner state (θ, υ) and, with baseline=uniform, the baseline's (η frozen, θ, υ)
         "inner_bytes": _on_device(state["inner"], mesh) + _on_device(state.get("base"), mesh),
-        "adam_bytes": _on_device(opt_state, mesh), "checkpoint_bytes": checkpoints - offloaded,
+        "adam_bytes": _on_device(opt_state, mesh), "kept_bytes": checkpoints - offloaded,
         "offloaded_bytes": offloaded,
         # LoRA: θ is the adapters; the frozen base weights are an argument of the step
         "frozen_bytes": _on_device(state.get("frozen"), mesh),
@@ -109,7 +109,7 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
             if with_breakdown:
                 row |= buffers.profile(dump, shapes, _on_device(theta, mesh))
             if split:
-                row |= buffers.checkpoints_at_peak(*buffers.read_dump(dump), shapes)
+                row |= buffers.kept_states_at_peak(*buffers.read_dump(dump), shapes)
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
                                        "host_temp_bytes", "host_io_bytes", "flops", "fits", "exact", "hbm_bytes",
                                        "refused_bytes", "compile_s")}
@@ -120,11 +120,11 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
     peak = report["peak_bytes"]
     entry = report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"]
     if not straight:
-        static = entry + row["checkpoint_bytes"] + row["grad_bytes"]
+        static = entry + row["kept_bytes"] + row["grad_bytes"]
     elif row.get("backward_start") is None:  # no backward pass found in the dump: no split
         static = None
     else:  # never more than the shapes count
-        static = entry + min(row["checkpoint_live_bytes"], row["checkpoint_bytes"]) + row["grad_bytes"]
+        static = entry + min(row["kept_live_bytes"], row["kept_bytes"]) + row["grad_bytes"]
     return row | {"peak_bytes": peak, "static_bytes": static, "static_from": "buffers" if straight else "shapes",
                   "dynamic_bytes": None if static is None else peak - static}
 
@@ -206,20 +206,20 @@ def table(rows: list[dict], baseline: str) -> str:
     size = lambda b: "-" if b is None else f"{b / scale:,.{2 if unit == 'GiB' else 1}f}"
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"
     cols = ["task", "params", "L", "variant", f"peak {unit}", f"static {unit}", f"dynamic {unit}",
-            f"checkpoints {unit}", f"temp {unit}", "GFLOPs", "peak ratio", "dynamic ratio"]
+            f"kept states {unit}", f"temp {unit}", "GFLOPs", "peak ratio", "dynamic ratio"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         peak = size(r["peak_bytes"]) + ("" if r.get("exact", True) else " (refused: compiler's figure)")
         peak += " (over HBM)" if r.get("fits") is False and r.get("exact", True) else ""  # older rows: refusals
         flops = "-" if r["flops"] is None else f"{r['flops'] / 1e9:,.1f}"
         lines.append(f"| {r['task']} | {count(r['params'])} | {r['n_layers']} | {r['variant']} | {peak} | "
-                     f"{size(r['static_bytes'])} | {size(r['dynamic_bytes'])} | {size(r['checkpoint_bytes'])} | "
+                     f"{size(r['static_bytes'])} | {size(r['dynamic_bytes'])} | {size(r['kept_bytes'])} | "
                      f"{size(r['temp_bytes'])} | {flops} | {ratio(r['peak_ratio'])} | {ratio(r['dynamic_ratio'])} |")
     where = f"per chip, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
     return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
-                               f"less memory than {baseline}; static = inputs + outputs + per-step checkpoints + ∇η, "
+                               f"less memory than {baseline}; static = inputs + outputs + kept inner states + ∇η, "
                                f"dynamic = the rest; where no loop over inner steps is left (T <= 2 or +unroll) the "
-                               f"checkpoints are those live at the peak in the compiled program)")
+                               f"kept states are those live at the peak in the compiled program)")
 
 
 def breakdown_table(rows: list[dict]) -> str:

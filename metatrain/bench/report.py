@@ -57,23 +57,23 @@ def ablation_comparison(rows: list[dict], name: str) -> str:
 
 
 def static_parts(row: dict) -> dict:
-    """A row's static bytes, named: η, the meta-optimizer state, the meta-gradient ∇η, the per-step checkpoints
+    """A row's static bytes, named: η, the meta-optimizer state, the meta-gradient ∇η, the kept inner states
     (and the inner Adam state υ inside them), the carried inner state, and the rest (the batches)."""
     kept = kept_states(row["inner_steps"], row.get("kept_states", "every_step"), row.get("inner_peeled", False))
-    measured = row.get("static_from") == "buffers"  # no loop left: the checkpoints the compiler kept, υ not told apart
+    measured = row.get("static_from") == "buffers"  # no loop left: the states the compiler kept, υ not told apart
     parts = {"eta": row["param_bytes"], "meta_opt": row["meta_opt_bytes"], "grad": row["grad_bytes"],
-             "checkpoints": min(row["checkpoint_live_bytes"], row["checkpoint_bytes"]) if measured
-             else row["checkpoint_bytes"], "inner": row["inner_bytes"]}
-    return parts | {"adam_in_checkpoints": None if measured else kept * row["adam_bytes"],
+             "kept": min(row["kept_live_bytes"], row["kept_bytes"]) if measured
+             else row["kept_bytes"], "inner": row["inner_bytes"]}
+    return parts | {"adam_in_kept": None if measured else kept * row["adam_bytes"],
                     "other": row["static_bytes"] - sum(parts.values())}
 
 
 def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, variant: str) -> str:
     """Per model size: measured peak and dynamic GiB of `baseline` and `variant` beside the paper's peak, and the
-    static part named (η, ∇η, per-step checkpoints with the inner Adam state υ in them, the rest)."""
+    static part named (η, ∇η, kept inner states with the inner Adam state υ in them, the rest)."""
     by = {(r["params"], r["variant"]): r for r in rows}
     head = ("| model | params | " + f"{baseline} peak (dyn.) | {variant} peak (dyn.) | peak ratio | dynamic ratio | "
-            "paper peak | static of variant: η + meta-opt + ∇η + checkpoints (υ in them) + inner + other | "
+            "paper peak | static of variant: η + meta-opt + ∇η + kept states (υ in them) + inner + other | "
             "static share |\n|"
             + "---|" * 9)
     lines, dominated = [head], []
@@ -93,8 +93,8 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
             share = f"{100 * v['static_bytes'] / v['peak_bytes']:.0f}%"
             if v["static_bytes"] / v["peak_bytes"] >= 0.45:
                 dominated.append(name)
-            static = (f"{g(p['eta'])} + {g(p['meta_opt'])} + {g(p['grad'])} + {g(p['checkpoints'])} "
-                      f"(υ {g(p['adam_in_checkpoints'])}) + {g(p['inner'])} + {g(p['other'])} = {g(v['static_bytes'])}")
+            static = (f"{g(p['eta'])} + {g(p['meta_opt'])} + {g(p['grad'])} + {g(p['kept'])} "
+                      f"(υ {g(p['adam_in_kept'])}) + {g(p['inner'])} + {g(p['other'])} = {g(v['static_bytes'])}")
         lines.append(
             f"| {name} | {params / 1e6:,.0f}M | {g(b['peak_bytes'])}{fit(b)} ({g(b['dynamic_bytes'])}) | "
             f"{g(v['peak_bytes'])}{fit(v)} ({g(v['dynamic_bytes'])}) | {b['peak_bytes'] / v['peak_bytes']:.2f}x | "
@@ -108,7 +108,7 @@ def paper_comparison(rows: list[dict], names: dict[int, str], baseline: str, var
               "assumed setting for them)")
     if dominated:
         note += (f"; static memory is about half or more of {variant}'s peak from {dominated[0]} on: the next "
-                 "savings must come from it (FSDP over chips, an inner-checkpoint schedule)")
+                 "savings must come from it (FSDP over chips, a kept-states schedule: metagrad.kept_states=sqrt)")
     return "\n".join(lines) + f"\n({note})"
 
 

@@ -4,7 +4,7 @@ A variant is
 `MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload_states][+offload_moments][+offload_params][+unroll]
 [model options]`
 (model options: +blockwise, +bf16, +chunked_ce): a meta-gradient mode, per-block rematerialisation, inner
-gradients saved in the per-step checkpoint, an inner-checkpoint schedule, the per-step checkpoint stored in
+gradients kept with the inner states, a schedule of which inner states are kept, the kept states stored in
 bfloat16 and/or in host memory, the meta-optimizer's moments and η in host memory between steps, the inner steps
 unrolled (straight-line code, not a loop), and model options
 applied over the model it is run on. `run_config` turns a task, a model, the batch shapes
@@ -32,7 +32,7 @@ SCHEDULES = tuple(s for s in KEPT_STATES if s != "every_step")
 FORM = ("MODE[+remat][+save][+sqrt|+binomial][+bf16_state][+offload_states][+offload_moments][+offload_params]"
         "[+unroll]"
         "[+blockwise][+bf16][+chunked_ce], e.g. mixflow+remat+save+sqrt+blockwise")
-BF16_STATE = "bf16_state"  # the per-step checkpoint (θ_i, υ_i, saved ∇L_i) stored in bfloat16
+BF16_STATE = "bf16_state"  # the kept inner states (θ_i, υ_i, saved ∇L_i) stored in bfloat16
 OFFLOAD_STATES = "offload_states"  # ... and/or kept in host memory until the backward pass
 OFFLOAD_MOMENTS = "offload_moments"  # the meta-optimizer's moments in host memory, on the device for the update only
 OFFLOAD_PARAMS = "offload_params"  # η in host memory, on the device for the inner loop's start and the update
@@ -41,9 +41,9 @@ UNROLL = "unroll"  # the inner steps unrolled: each step's checkpoint its own bu
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× inner checkpoints, the
-    dtype they are stored in), optionally on a changed model (`model_options`: keys of MODEL_OPTIONS, applied
-    over the model given)."""
+    """One way to compute the meta-gradient: mode × block remat × saved inner gradients (× which inner states are
+    kept, the dtype they are stored in), optionally on a changed model (`model_options`: keys of MODEL_OPTIONS,
+    applied over the model given)."""
 
     mode: str
     remat: bool
@@ -106,7 +106,7 @@ def parse_variant(name: str, kept_states: str = "every_step") -> Variant:
         raise ConfigError(f"variant {name!r}: unknown option(s) {sorted(unknown)}; use {FORM}")
     schedules = [o for o in opts if o in SCHEDULES]
     if len(schedules) > 1:
-        raise ConfigError(f"variant {name!r}: one inner-checkpoint schedule at most; use {FORM}")
+        raise ConfigError(f"variant {name!r}: one kept-states schedule at most; use {FORM}")
     if BF16_STATE in opts and "save" not in opts:
         raise ConfigError(f"variant {name!r}: +{BF16_STATE} needs +save (a gradient recomputed from rounded "
                           f"parameters is not the one the inner update used); use {FORM}")
@@ -120,7 +120,8 @@ def parse_variant(name: str, kept_states: str = "every_step") -> Variant:
 OLD_TOKENS = {"default": "autodiff", "offload": OFFLOAD_STATES, "offload_opt": OFFLOAD_MOMENTS}
 OLD_KEYS = {"inner_checkpoint": "kept_states", "checkpoint_dtype": "state_dtype",
             "checkpoint_offload": "offload_states", "meta_opt_offload": "offload_moments",
-            "meta_opt_offload_params": "offload_params"}
+            "meta_opt_offload_params": "offload_params", "checkpoint_bytes": "kept_bytes",
+            "checkpoint_live_bytes": "kept_live_bytes"}
 
 
 def upgrade_row(row: dict) -> dict:

@@ -1,4 +1,4 @@
-"""metagrad.state_dtype=bfloat16 (`+bf16_state`): the per-step checkpoint stored in bfloat16 changes the meta-gradient
+"""metagrad.state_dtype=bfloat16 (`+bf16_state`): the kept inner states stored in bfloat16 changes the meta-gradient
 by a bounded amount, and bad combinations are one-line config errors. (check-grads checks the same backward pass
 with float64 storage exactly: tests/metatrain/test_checkgrads.py.)"""
 

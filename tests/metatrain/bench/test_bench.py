@@ -105,7 +105,7 @@ def test_parse_variant_names_round_trip():
     m = v.model(tiny)
     assert (m.attention, m.compute_dtype, m.remat) == ("blockwise", "bfloat16", True) and not tiny.remat
     for bad, says in (("mixflo+remat", "unknown mode"), ("mixflow+flash", "unknown option"),
-                      ("mixflow+sqrt+binomial", "one inner-checkpoint schedule")):
+                      ("mixflow+sqrt+binomial", "one kept-states schedule")):
         with pytest.raises(ConfigError, match=says):
             parse_variant(bad)
 

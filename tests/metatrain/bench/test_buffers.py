@@ -69,7 +69,7 @@ def _region(name, shape, start, end, op, values=None, value_ops=None):
             "values": values, "value_ops": value_ops or [op] * len(values)}
 
 
-def test_checkpoints_at_peak_are_parameter_sized_buffers_written_before_the_backward_pass():
+def test_kept_states_at_peak_are_parameter_sized_buffers_written_before_the_backward_pass():
     """A schedule of 10 positions, θ one leaf of N floats: the outer backward pass starts at 5 (the first
     parameter-sized buffer an outer `transpose(...)` made; a zeros splat XLA shared between the passes, named for
     the backward one, and a copy of it do not count); the peak at 7. A checkpoint is parameter-sized, made before
@@ -85,12 +85,12 @@ def test_checkpoints_at_peak_are_parameter_sized_buffers_written_before_the_back
         _region("fusion.5", leaf, 5, 9, "jit(f)/transpose(jvp())/dot_general"),  # the outer loss's gradient
         _region("fusion.6", leaf, 7, 7, "jit(f)/transpose(jvp())/while/body/add"),
     ]
-    got = buffers.checkpoints_at_peak(regions, 10, [(N,)])
+    got = buffers.kept_states_at_peak(regions, 10, [(N,)])
     assert buffers.timeline(regions, 10).argmax() == 7
-    assert got == {"peak_position": 7, "backward_start": 5, "checkpoint_live_bytes": 4 * N + 4 * N}, got
+    assert got == {"peak_position": 7, "backward_start": 5, "kept_live_bytes": 4 * N + 4 * N}, got
     # "copy.2" is made before the backward pass and written: counted beside the saved gradient. Without a backward
     # pass there is nothing to split
-    assert buffers.checkpoints_at_peak(regions[:3], 10, [(N,)])["backward_start"] is None
+    assert buffers.kept_states_at_peak(regions[:3], 10, [(N,)])["backward_start"] is None
 
 
 def test_a_buffer_only_the_backward_pass_wrote_is_not_a_checkpoint():
@@ -102,6 +102,6 @@ def test_a_buffer_only_the_backward_pass_wrote_is_not_a_checkpoint():
                           [back, "", back + "/body/dot_general", back])
     shared = _region("broadcast.8", leaf, 1, 9, back, ["broadcast.8", "fusion.10"], [back, "jit(f)/jvp()/dot_general"])
     regions = [accumulator, shared, _region("fusion.5", leaf, 5, 9, "jit(f)/transpose(jvp())/dot_general")]
-    got = buffers.checkpoints_at_peak(regions, 10, [(N,)])
-    assert got["backward_start"] == 5 and got["checkpoint_live_bytes"] == 4 * N, got
+    got = buffers.kept_states_at_peak(regions, 10, [(N,)])
+    assert got["backward_start"] == 5 and got["kept_live_bytes"] == 4 * N, got
     assert not buffers.written_forward(accumulator) and buffers.written_forward(shared)

@@ -34,7 +34,7 @@ def test_rows_add_up_and_ratio_grows_with_layers():
         # on CPU the peak is the sum of the compiled program's buffers (on TPU: the compiler's own high-water mark)
         assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
         assert r["temp_sum_bytes"] == r["peak_bytes"]
-        assert r["checkpoint_bytes"] > 0 and r["dynamic_bytes"] > 0 and r["exact"] and r["static_from"] == "shapes"
+        assert r["kept_bytes"] > 0 and r["dynamic_bytes"] > 0 and r["exact"] and r["static_from"] == "shapes"
     ratio = {(r["n_layers"], r["variant"]): r["temp_ratio"] for r in rows}
     assert ratio[(1, "autodiff+remat")] == 1.0
     assert ratio[(4, "mixflow+remat+save")] > ratio[(1, "mixflow+remat+save")] > 1.0
@@ -43,7 +43,7 @@ def test_rows_add_up_and_ratio_grows_with_layers():
 def test_sizes_counted_by_hand():
     """MAML's state is η and the meta-optimizer's two Adam moments (3 float32 copies of the parameters, two int32
     counters); the arguments are that plus the batches' sequences (MAML never reads the per-example `corrupted`
-    flags, and jit drops unused arguments), all donated but the batches; the per-step checkpoints are θ and
+    flags, and jit drops unused arguments), all donated but the batches; the kept inner states are θ and
     Adam's two moments, but the first step's (the outer step's own inputs), plus T θ-sized saved gradients with
     +save. T=2 leaves no loop and these leaves are too small to be told apart in the buffer assignment: no
     static/dynamic split."""
@@ -55,8 +55,8 @@ def test_sizes_counted_by_hand():
         assert r["argument_bytes"] == 3 * p + 2 * 4 + _sequence_bytes(T, B, S)
         assert r["alias_bytes"] == 3 * p + 2 * 4  # the state is donated: its buffers are the new state's
         assert r["param_bytes"] == r["grad_bytes"] == p and r["meta_opt_bytes"] == 2 * p + 4
-    assert rows["mixflow+remat"]["checkpoint_bytes"] == (T - 1) * (3 * p + 4)
-    assert rows["mixflow+remat+save"]["checkpoint_bytes"] == (T - 1) * (3 * p + 4) + T * p
+    assert rows["mixflow+remat"]["kept_bytes"] == (T - 1) * (3 * p + 4)
+    assert rows["mixflow+remat+save"]["kept_bytes"] == (T - 1) * (3 * p + 4) + T * p
     assert all(r["static_bytes"] is None is r["dynamic_bytes"] for r in rows.values())
 
 
@@ -66,15 +66,15 @@ WIDE = models.ModelConfig(vocab_size=512, d_model=128, n_heads=2, d_ff=512, n_la
 
 @pytest.mark.slow
 def test_two_steps_split_by_the_checkpoints_the_compiler_kept():
-    """T=2 leaves no loop: the static part counts the per-step checkpoints live at the peak in the compiled
+    """T=2 leaves no loop: the static part counts the kept inner states live at the peak in the compiled
     program (parameter-sized, written before the outer backward pass), never more than the shapes count (with a
     loop left they are counted from shapes: `test_rows_add_up_and_ratio_grows_with_layers`)."""
     for r in memory.run([run_config("maml", WIDE, 64, 1, 2)], VARIANTS):
         entry = r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"]
         assert r["static_bytes"] + r["dynamic_bytes"] == r["peak_bytes"] and r["dynamic_bytes"] > 0
         assert r["static_from"] == "buffers" and r["backward_start"] > 0
-        assert r["checkpoint_live_bytes"] > 0
-        kept = min(r["checkpoint_live_bytes"], r["checkpoint_bytes"])
+        assert r["kept_live_bytes"] > 0
+        kept = min(r["kept_live_bytes"], r["kept_bytes"])
         assert r["static_bytes"] == entry + kept + r["grad_bytes"]
 
 
@@ -161,7 +161,7 @@ def test_tasks_grid_with_plot(tmp_path):
 def _row(params, variant, peak, static, checkpoints):
     return {"params": params, "variant": variant, "peak_bytes": peak, "static_bytes": static,
             "dynamic_bytes": peak - static, "param_bytes": 2**30, "meta_opt_bytes": 2**31, "grad_bytes": 2**30,
-            "inner_bytes": 0, "adam_bytes": 2**31, "checkpoint_bytes": checkpoints, "fits": True, "exact": True,
+            "inner_bytes": 0, "adam_bytes": 2**31, "kept_bytes": checkpoints, "fits": True, "exact": True,
             "task": "maml", "batch": 4, "seq_len": 2048, "inner_steps": 2, "backend": "tpu",
             "inner_peeled": True}
 
@@ -241,7 +241,7 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         # FSDP: each of the 4 chips holds a quarter of η (+offload_params: in host memory, but its vectors)
         assert r["param_bytes"] + r.get("offloaded_param_bytes", 0) == p // 4
         # the buffer assignment's peak: the arguments live (all but a few scalars: the bytes memory_analysis counts),
-        # θ-sized temporaries among the rest, the per-step checkpoints ([T-1=2, ...] stacks of a layer weight) with them
+        # θ-sized temporaries among the rest, the kept inner states ([T-1=2, ...] stacks of a layer weight) with them
         b = r["breakdown"]
         assert 0.99 * r["argument_bytes"] <= b["argument_bytes"] <= r["argument_bytes"]
         assert b["live_bytes"] <= r["peak_bytes"]
@@ -256,10 +256,10 @@ def test_tpu_backend_rows_are_per_chip(tmp_path):
         assert stacks and (not f32 if r["variant"].endswith("+bf16_state") else f32), b["param_sized_shapes"]
         assert r["host_temp_bytes"] == r["offloaded_bytes"] == 0
     full, half, opt_too, eta_too = rows
-    assert half["checkpoint_bytes"] < 0.51 * full["checkpoint_bytes"] and half["peak_bytes"] < full["peak_bytes"]
+    assert half["kept_bytes"] < 0.51 * full["kept_bytes"] and half["peak_bytes"] < full["peak_bytes"]
     # +offload_states: the kept states' matrices are host temporaries (not peeled: T states of them, where the device
     # keeps T - 1, the first step's being the inputs); the vectors stay on the chip
-    assert opt_too["offloaded_bytes"] > half["checkpoint_bytes"] > 100 * opt_too["checkpoint_bytes"]
+    assert opt_too["offloaded_bytes"] > half["kept_bytes"] > 100 * opt_too["kept_bytes"]
     # +offload_moments: the meta-optimizer's matrices are host arguments (donated: their outputs in the same place),
     # gone from the chip's arguments and its peak (the compiler's sizes include its tiles' padding, ours do not)
     assert half["host_io_bytes"] == half["offloaded_opt_bytes"] == 0
