@@ -28,6 +28,8 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
                      "--json", str(mem)]) == 0
     peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}
     assert {n: r["peak_bytes"] for n, r in rows.items()} == peaks
+    plans = {r["variant"]: r["plan"] for r in json.loads(mem.read_text())}  # T=2: both steps under one VJP
+    assert plans == {"autodiff+remat": "checkpointed+peeled", "mixflow+remat+save": "two_steps+peeled+seeded"}
     assert peaks["autodiff+remat"] != peaks["mixflow+remat+save"]
 
 
