@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TREE = ROOT / "build" / "api-sources"
 
 
-def on_config(config, **kwargs):
+def _lay_out() -> None:
     mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     package = TREE / "metatrain"
     package.mkdir(parents=True, exist_ok=True)
@@ -21,7 +21,6 @@ def on_config(config, **kwargs):
     for name, folder in mapping.items():
         if name != "metatrain":
             _link(ROOT / folder, package / name.split(".", 1)[1])
-    return config
 
 
 def _link(target: Path, link: Path) -> None:
@@ -30,3 +29,7 @@ def _link(target: Path, link: Path) -> None:
             return
         link.unlink()
     link.symlink_to(target)
+
+
+# At import, when mkdocs loads its hooks: mkdocstrings checks its `paths` in its own on_config, which runs first.
+_lay_out()
