@@ -25,7 +25,7 @@ def cmd_check_grads(args) -> int:
                                      only=common.variants(args, args.variants) if args.variants else None,
                                      progress=common.progress, lora=lora, meta_model=meta_model_config(cfg))
     width = max(22, *(len(r.variant) for r in results))
-    print(f"{'variant':<{width}} {'rel. err vs default':>20} {'finite-diff err':>16}  ok")
+    print(f"{'variant':<{width}} {'rel. err vs autodiff':>20} {'finite-diff err':>16}  ok")
     for r in results:
         print(f"{r.variant:<{width}} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
     if any("+bf16_state" in r.variant for r in results):
