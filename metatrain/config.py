@@ -69,6 +69,8 @@ class MetaGradConfig:
 class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axis
     fsdp: int = 1  # devices each parameter is sharded over (along the embed axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
     # the inner model starts from: a `metatrain pretrain` work dir, an export / import dir, or hf:DIR (a local Hugging
@@ -89,9 +91,14 @@ class MetaModelConfig:
     n_layers: int = 0  # 0: the preset's or checkpoint's
     n_heads: int = 0  # 0: the preset's or checkpoint's
     d_ff: int = 0  # 0: the preset's or checkpoint's
+    # lm: an example's score is its mean next-token log-likelihood under the meta model | score: a pooled scalar
+    # head on the meta model (DataRater's rater; zero-initialised, so the weights start uniform)
+    head: str = "lm"
+    causal: bool = True  # false: bidirectional attention within each document (needs head=score)
+
     @property
     def given(self) -> bool:
-        return any(dataclasses.astuple(self))
+        return self != MetaModelConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +253,7 @@ def meta_model_config(cfg: Config, check_vocab: bool = True) -> ModelConfig | No
 def _scorer(model: ModelConfig, m: MetaModelConfig, inner: ModelConfig) -> ModelConfig:
     fields = {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(m, k)}
     try:
-        return model.replace(**fields, vocab_size=inner.vocab_size, head="lm",
+        return model.replace(**fields, vocab_size=inner.vocab_size, head=m.head, causal=m.causal,
                              **{k: getattr(inner, k) for k in RUN_MODEL_FIELDS if k != "head"})
     except ConfigError as e:  # the model's own check names model.FIELD: here it is meta_model.FIELD
         message = str(e)

@@ -146,7 +146,8 @@ class Trainer:
         if not self.task.uses_meta_model:
             raise ConfigError(f"meta_model.init_from: task {self.cfg.task!r} has no meta model to start from "
                               f"{path} (loss_weighting has one)")
-        return self._placed(path, lambda s: s["meta"]["lm"], step_lib.place_scorer, "meta_model.init_from")
+        return self._placed(path, lambda s: self.task.scorer_body(s["meta"]["lm"]), step_lib.place_scorer,
+                            "meta_model.init_from")
 
     def _placed(self, path: str, which, place, field: str):
         """The state with the parameters at `path`, read onto the shapes and shardings of `which(state)`, put in

@@ -36,6 +36,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # the output head is the transposed input embedding
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     head: str = "lm"  # lm: next-token logits | score: one scalar per example (pooled)
+    causal: bool = True  # false: bidirectional attention (within each document); needs head=score
     rope_base: float = 10_000.0  # Hugging Face's rope_theta
     rope_scaling: str = ""  # "" | llama3 (Llama 3.1+ frequency scaling, with the four rope_* fields below)
     rope_factor: float = 8.0  # llama3 scaling: the frequency division factor
@@ -82,6 +83,9 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even per-head size, got {self.head_dim}")
         if self.head not in HEADS:
             raise ConfigError(f"model.head must be one of {HEADS}, got {self.head!r}")
+        if not self.causal and self.head == "lm":
+            raise ConfigError("model.causal=false needs model.head=score: a next-token head must not see the tokens "
+                              "it predicts")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         if self.attention not in ("dense", "blockwise"):

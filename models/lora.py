@@ -33,6 +33,7 @@ class LoRAConfig:
     rank: int = 0  # 0: no adapters (θ is the whole model); R > 0: θ is rank-R adapters on a frozen base
     alpha: float = 16.0  # adapters are applied as (alpha / rank) · x·A·B
     targets: str = ",".join(TARGETS)  # comma list among q,k,v,o,up,gate,down (gate: SwiGLU models only)
+
     def __post_init__(self):
         if self.rank < 0:
             raise ConfigError(f"inner.lora.rank must be >= 0 (0 = no LoRA), got {self.rank}")

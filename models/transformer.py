@@ -66,13 +66,14 @@ def rope(x, positions, freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_mask(segment_ids):
-    """Causal mask that never crosses documents. segment_ids: [batch, seq] → [batch, 1, seq, seq].
-    Built from iota and broadcast comparisons so XLA fuses it into its consumer: no S² buffer."""
+def attention_mask(segment_ids, causal: bool = True):
+    """Causal (or, with `causal=False`, bidirectional) mask that never crosses documents.
+    segment_ids: [batch, seq] → [batch, 1, seq, seq]. Built from iota and broadcast comparisons so XLA fuses it
+    into its consumer: no S² buffer."""
     s = segment_ids.shape[1]
     pos = jax.lax.broadcasted_iota(jnp.int32, (1, 1, s, s), 2), jax.lax.broadcasted_iota(jnp.int32, (1, 1, s, s), 3)
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return (pos[0] >= pos[1]) & same_doc
+    return ((pos[0] >= pos[1]) & same_doc) if causal else same_doc
 
 
 def dense_attention(q, k, v, mask):
@@ -84,10 +85,10 @@ def dense_attention(q, k, v, mask):
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
-def blockwise_attention(q, k, v, segment_ids, block: int):
-    """Causal attention over key/value blocks with an online (running max, running sum) softmax.
+def blockwise_attention(q, k, v, segment_ids, block: int, causal: bool = True):
+    """Causal (or bidirectional) attention over key/value blocks with an online (running max, running sum) softmax.
 
-    Equal to `dense_attention` with `attention_mask(segment_ids)`, but the largest score buffer is
+    Equal to `dense_attention` with `attention_mask(segment_ids, causal)`, but the largest score buffer is
     [batch, heads, block, block]: queries go block by block (a `lax.map`), and for each query block a
     `lax.scan` over key blocks carries the running max `m`, sum `l` and output `acc`. Both loop bodies
     are rematerialised, so reverse mode keeps only the blocks' inputs and carries, O(S·heads·k), never
@@ -117,7 +118,8 @@ def blockwise_attention(q, k, v, segment_ids, block: int):
             m, l, acc = carry  # [batch, heads, block], same, [batch, heads, block, k]
             kj, vj, seg_k, pos_k = kv
             scores = jnp.einsum("bqhk,bshk->bhqs", qi, kj, preferred_element_type=f)  # [batch, heads, bq, bs]
-            mask = ((pos_q[:, None] >= pos_k[None, :]) & (pos_k < s)[None, :])[None, None] & (
+            order = pos_q[:, None] >= pos_k[None, :] if causal else jnp.ones((block, block), bool)
+            mask = (order & (pos_k < s)[None, :])[None, None] & (
                 seg_q[:, None, :, None] == seg_k[:, None, None, :])
             scores = jnp.where(mask, scores, jnp.finfo(f).min)  # before exp: no inf whose 0-gradient is NaN
             m_new = jnp.maximum(m, scores.max(-1))
@@ -155,7 +157,7 @@ class Attention(nnx.Module):
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1), out_axis=2)
         self.wo = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), dt)
         self.cfg = cfg
-        self.kind, self.block = cfg.attention, cfg.attention_block
+        self.kind, self.block, self.causal = cfg.attention, cfg.attention_block, cfg.causal
         model, heads, kv_heads = ((d,), ("embed",)), ((h, k), ("heads", "kv")), ((g, k), ("kv_heads", "kv"))
         attach(self, lora, {"q": model + heads, "k": model + kv_heads, "v": model + kv_heads, "o": heads + model},
                rngs, dt)
@@ -173,9 +175,9 @@ class Attention(nnx.Module):
         if groups > 1:  # each key/value head serves `groups` consecutive query heads
             k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         if self.kind == "blockwise":
-            out = blockwise_attention(q, k, v, segment_ids, self.block)
+            out = blockwise_attention(q, k, v, segment_ids, self.block, self.causal)
         else:
-            out = dense_attention(q, k, v, attention_mask(segment_ids))
+            out = dense_attention(q, k, v, attention_mask(segment_ids, self.causal))
         return adapted(self, "o", jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, n_in=2)
 
 

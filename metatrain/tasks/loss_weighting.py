@@ -14,6 +14,9 @@ are nearly equal, so training starts from almost uniform weights.
 
 The meta model is `meta_model` (by default the inner model's architecture, never with LoRA adapters): a
 small scorer for a big inner model, optionally pretrained (`meta_model.init_from`, see `place_scorer`).
+
+With `meta_model.head=score` (and `meta_model.causal=false`: bidirectional attention) the score is instead
+exp(τ) · a pooled scalar head, DataRater's rater; the head starts at zero, so the weights start uniform.
 """
 
 from __future__ import annotations
@@ -37,18 +40,33 @@ class LossWeighting(Task):
     def init_meta(self, key: jax.Array) -> Pytree:
         return {"lm": models.init(self.meta_model, key)[1], "log_temperature": jnp.zeros((), self.meta_model.dtype)}
 
+    def scorer_body(self, lm: Pytree) -> Pytree:
+        """The meta model's parameters a pretrained language model provides: all of them, or with a score head all
+        but the head (`out`), which stays as initialised."""
+        if self.meta_model.head == "lm":
+            return lm
+        return nnx.State({k: v for k, v in lm.raw_mapping.items() if k != "out"})
+
     def place_scorer(self, params: Pytree, meta: Pytree) -> Pytree:
-        """η with pretrained meta-model parameters in place (`meta_model.init_from`)."""
-        return dict(meta, lm=params)
+        """η with pretrained meta-model parameters in place (`meta_model.init_from`; `scorer_body`'s part)."""
+        if self.meta_model.head == "lm":
+            return dict(meta, lm=params)
+        return dict(meta, lm=nnx.State({**meta["lm"].raw_mapping, **params.raw_mapping}))
 
     def baseline_meta(self, meta: Pytree) -> Pytree:
         """exp(τ) underflows to 0: every score is 0 and every weight exactly 1, whatever the meta model."""
         return dict(meta, log_temperature=jnp.full_like(meta["log_temperature"], -1e4))
 
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
-        """exp(τ) · mean log-likelihood of each example under the meta model: [batch]. Higher → more weight."""
-        nll = nnx.merge(self.meta_graphdef, meta["lm"]).example_losses(
-            batch["tokens"], batch.get("segment_ids"), batch.get("positions"))  # [batch]
+        """exp(τ) · mean log-likelihood of each example under the meta model (with a score head: exp(τ) · its pooled
+        scalar): [batch]. Higher → more weight."""
+        model = nnx.merge(self.meta_graphdef, meta["lm"])
+        inputs = (batch["tokens"], batch.get("segment_ids"), batch.get("positions"))
+        if self.meta_model.head == "score":
+            raw = model(*inputs)
+            raw = raw.astype(jnp.promote_types(raw.dtype, jnp.float32))  # [batch], at least float32
+            return jnp.exp(meta["log_temperature"]).astype(raw.dtype) * raw
+        nll = model.example_losses(*inputs)  # [batch]
         return -jnp.exp(meta["log_temperature"]).astype(nll.dtype) * nll
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:

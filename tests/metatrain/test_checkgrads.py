@@ -16,9 +16,8 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
 # Between them the check-grads tests here and in test_tasks.py run each mode with and without block remat and
 # saved gradients, on some task, the chunked loss (+chunked_ce) on each task, and the stored-checkpoint backward
 # pass (+bf16_state, run with float64 storage, with +offload_states) on two, LoRA included, the unrolled inner steps
-# (+unroll) on one (the CLI runs in docs/benchmarks.md cover all 12 variants on each task, and every storage option
-# and +unroll on each task: docs/bench/checkgrads_storage.log, checkgrads_unroll.log); plain reverse-over-reverse
-# is always the reference.
+# (+unroll) on one, and DataRater's rater (a pooled score head over bidirectional attention) as the scorer; plain
+# reverse-over-reverse is always the reference.
 # float64 stays inside the check.
 @pytest.mark.parametrize("task, names, model, lora, scorer", [
     ("learned_lr",
@@ -27,6 +26,8 @@ SHAPES = DataConfig(seq_len=8, batch=2, inner_steps=2)
     # LoRA adapters as θ on a frozen base, weighted by a separate one-layer scorer
     ("loss_weighting", "mixflow+remat+save,revfwd+save+unroll,mixflow+save+chunked_ce", "tiny", 2,
      models.preset("tiny", n_layers=1, d_model=8)),
+    ("loss_weighting", "mixflow+remat+save", "tiny", 0,
+     models.preset("tiny", n_layers=1, d_model=8).replace(head="score", causal=False)),
     # LoRA on SwiGLU, grouped-query attention, untied head, q/k/v biases, llama3 RoPE: η = the adapters' start.
     # Seed 1: at seed 0 the first inner Adam step leaves some adapter entries where |g| ~ sqrt(eps_root), and V(η)
     # is too curved there for finite differences (fd err 0.17, while every mode agrees with reverse-over-reverse to

@@ -200,3 +200,22 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(scorer["embed"]), hf.read(str(directory))[1]["embed"])
     assert saved["lora"]["rank"] == 4 and saved["model"] is None and saved["base"] == f"hf:{directory}"
     assert (tmp_path / "inner" / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+def test_rater_head_starts_from_a_language_model(checkpoints, tmp_path, capsys):
+    """meta_model.head=score, meta_model.causal=false (DataRater's rater) with meta_model.init_from=hf:DIR: the body
+    comes from the checkpoint, the score head starts at zero (uniform weights), and `scores` reads the run."""
+    from metatrain import scores
+
+    directory, _, _ = checkpoints["llama-tied-mha"]
+    run = tmp_path / "run"
+    args = ["train", f"inner.init_from=hf:{directory}", "steps=1", "data.seq_len=16", "data.batch=4",
+            "data.shuffle_window=256", "eval_batches=1", "baseline=uniform", "meta_model.head=score",
+            "meta_model.causal=false", f"meta_model.init_from=hf:{directory}", f"workdir={run}"]
+    assert cli.main(args) == 0, capsys.readouterr().err[-2000:]
+    opened = scores.open_run(str(run))
+    start = opened.part("base")["meta"]["lm"]  # the baseline keeps η's start
+    np.testing.assert_array_equal(np.asarray(start["embed"]), hf.read(str(directory))[1]["embed"])
+    assert np.asarray(start["out"]).shape == (opened.task.meta_model.d_model, 1) and not np.asarray(start["out"]).any()
+    assert not opened.task.meta_model.causal and opened.task.meta_model.head == "score"

@@ -97,6 +97,9 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("meta_model.preset=huge", "meta_model.preset: unknown model preset 'huge'"),
     ("meta_model.init_from=/nonexistent", "meta_model.init_from: '/nonexistent' is not a `metatrain export`"),
     ("meta_model.d_model=30", "meta_model: RoPE needs an even per-head size, got 15"),
+    ("meta_model.causal=false", "meta_model.causal=false needs meta_model.head=score"),
+    ("meta_model.head=rater", "meta_model.head must be one of ('lm', 'score')"),
+    ("model.causal=false", "model.causal=false needs model.head=score"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
