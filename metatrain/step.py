@@ -204,9 +204,9 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     """
     task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
-    g = cfg.metagrad
-    method = MetaGradMethod(mode or g.mode, g.save_inner_grads, kept_states or g.kept_states, g.state_dtype,
-                            g.offload_states, g.unroll)
+    g = cfg.metagrad  # the same fields as MetaGradMethod's, where `auto` may stand until overridden here
+    method = MetaGradMethod(**dataclasses.asdict(g) | {"mode": mode or g.mode,
+                                                         "kept_states": kept_states or g.kept_states})
     o = cfg.meta_opt
     return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
                    step=functools.partial(outer_step, task, method, meta_opt, offload_moments=o.offload_moments,

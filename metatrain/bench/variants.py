@@ -80,10 +80,7 @@ class Variant:
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` computing its meta-gradient this way, on this variant's model."""
-        metagrad = MetaGradConfig(mode=self.mode, save_inner_grads=self.save, kept_states=self.kept_states,
-                                  state_dtype=self.state_dtype, offload_states=self.offload_states,
-                                  unroll=self.unroll)
-        return dataclasses.replace(cfg, metagrad=metagrad,
+        return dataclasses.replace(cfg, metagrad=MetaGradConfig(**dataclasses.asdict(self.method)),
                                    meta_opt=dataclasses.replace(cfg.meta_opt, offload_moments=self.offload_moments,
                                                                 offload_params=self.offload_params),
                                    model=self.model(cfg.model))
