@@ -66,6 +66,16 @@ class MetaGradConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PopulationConfig:
+    """A population of inner models (DataRater's stabiliser) for tasks that carry inner state: every outer step runs
+    each member's T inner steps on its own batches, one member after another, and combines their meta-gradients."""
+
+    size: int = 1  # inner models; data.batch is per member
+    reduce: str = "grad"  # grad: the mean meta-gradient, one meta-optimizer | update: one per member, updates averaged
+    lifetime: int = 0  # member i is reinitialised every this many outer steps, offset by i*lifetime/size; 0: never
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axis
     fsdp: int = 1  # devices each parameter is sharded over (along the embed axis)
@@ -119,6 +129,7 @@ class Config:
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     meta_model: MetaModelConfig = dataclasses.field(default_factory=MetaModelConfig)
     metagrad: MetaGradConfig = dataclasses.field(default_factory=MetaGradConfig)
+    population: PopulationConfig = dataclasses.field(default_factory=PopulationConfig)
     meta_opt: MetaOptConfig = dataclasses.field(default_factory=MetaOptConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -201,7 +212,27 @@ def validate(cfg: Config) -> Config:
     _check(not cfg.meta_model.given or getattr(cls, "uses_meta_model", False), "meta_model",
            f"task {cfg.task!r} has no meta model to configure (loss_weighting's scorer is one); drop the meta_model.* "
            "settings")
+    validate_population(cfg, cls)
     return cfg
+
+
+def validate_population(cfg: Config, cls) -> None:
+    p = cfg.population
+    _check(p.size >= 1, "population.size", f"must be >= 1, got {p.size}")
+    _check(p.reduce in ("grad", "update"), "population.reduce", f"{p.reduce!r} is not grad or update")
+    _check(p.lifetime >= 0, "population.lifetime", f"must be >= 0 (0: never reset), got {p.lifetime}")
+    if p.size == 1:
+        _check(p.lifetime == 0, "population.lifetime", "resets need a population: set population.size >= 2")
+        return
+    _check(not getattr(cls, "resets_inner", False) or p.lifetime == 0, "population.lifetime",
+           f"task {cfg.task!r} restarts every outer step from η: its members carry no inner state to reset; "
+           "set population.lifetime=0")
+    _check(not (p.reduce == "update" and cfg.meta_opt.offload_moments), "population.reduce",
+           "update keeps one meta-optimizer per member, in device memory: use reduce=grad with "
+           "meta_opt.offload_moments")
+    _check(p.lifetime == 0 or p.lifetime >= p.size, "population.lifetime",
+           f"{p.lifetime} is shorter than the population ({p.size}): the staggered resets are lifetime/size steps "
+           f"apart; use at least {p.size}")
 
 
 # model fields a run chooses; the others (the architecture) follow a pretrained checkpoint

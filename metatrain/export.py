@@ -197,7 +197,10 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
                        f"fine-tuned inner model: task {cfg.task!r} restarts every step from η; use --what meta")
             raise ConfigError(f"export --what {what}: {workdir} has no {missing}")
         part = _restore_part(state_dir, saved, key)
-        return model_out((part["inner"] if key == "base" else part)[0], what)
+        theta = (part["inner"] if key == "base" else part)[0]
+        if key == "inner" and cfg.population.size > 1:  # a population's inner models: member 0's
+            theta, info["member"] = jax.tree.map(lambda x: x[0], theta), 0
+        return model_out(theta, what)
     if adapters:
         raise ConfigError("export --adapters: only a LoRA run's inner model or baseline has adapters (--what inner)")
     meta = _restore_part(state_dir, saved, "meta")

@@ -1,7 +1,8 @@
 """The run report: a PNG of one or more runs from their metrics.jsonl (and eval_weights.json).
 
 Panels, each only where a run has its data: held-out validation loss of the learned run vs the uniform
-baseline over steps (the headline); corrupted-vs-clean AUC over steps; a histogram of the final weights of
+baseline over steps (the headline; a population's members thin beside their mean); corrupted-vs-clean AUC
+over steps; a histogram of the final weights of
 clean vs corrupted held-out examples (all examples without flags); training losses, smoothed (EMA) over the
 faint raw curve; the (meta-)gradient norm. Several work dirs overlay, named in the legends.
 """
@@ -68,6 +69,12 @@ def _series(rows: list[dict], key: str):
     return [s for s, _ in points], [v for _, v in points]
 
 
+def _member_keys(rows: list[dict], key: str) -> list[str]:
+    """`key/member_i` keys of a population's rows, in member order."""
+    found = {k for r in rows for k in r if k.startswith(f"{key}/member_")}
+    return sorted(found, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
 def plot_runs(workdirs: list[str], out: str | None = None) -> str:
     """Writes the run report of `workdirs` (overlaid) to `out`: a PNG path, or a directory to hold curves.png
     (default: the first work dir). Returns the file written."""
@@ -87,7 +94,12 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
         c, tag = colors[name], (f"{name}: " if several else "")
         if "val" in axes:
             ax = axes["val"]
-            ax.plot(*_series(evals, "eval_validation_loss"), "-o", ms=3, color=c, label=f"{tag}learned")
+            members = _member_keys(evals, "eval_validation_loss")
+            ax.plot(*_series(evals, "eval_validation_loss"), "-o", ms=3, color=c,
+                    label=f"{tag}learned" + (f" (mean of {len(members)} members)" if members else ""))
+            for k, key in enumerate(members):  # a population: each member, thin
+                ax.plot(*_series(evals, key), "-", lw=0.8, alpha=0.5, color=c,
+                        label=f"{tag}members" if k == 0 else None)
             if any("eval_baseline_validation_loss" in r for r in evals):
                 ax.plot(*_series(evals, "eval_baseline_validation_loss"), "--s", ms=3, color=c, alpha=0.7,
                         label=f"{tag}uniform baseline")
@@ -110,6 +122,10 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
             if values:
                 ax.plot(steps, values, style, color=c, alpha=0.2, lw=0.8)
                 ax.plot(steps, ema(values), style, color=c, label=f"{tag}{key.replace('_', ' ')}")
+        for k, key in enumerate(_member_keys(train, "outer_loss")):  # a population: each member's outer loss (EMA)
+            steps, values = _series(train, key)
+            ax.plot(steps, ema(values), "-", lw=0.6, alpha=0.45, color=c,
+                    label=f"{tag}members' outer losses" if k == 0 else None)
         norm = "meta_grad_norm" if has("meta_grad_norm", 0) else "grad_norm"  # pretrain runs: no meta level
         axes["norm"].plot(*_series(train, norm), color=c, label=name)
     titles = {"val": ("held-out validation loss: learned vs uniform", "outer step", "next-token loss"),

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from metatrain import config as config_lib
 from metatrain import export as export_lib
-from metatrain import paths
+from metatrain import paths, population
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
@@ -66,9 +66,7 @@ def open_run(workdir: str) -> Run:
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
     cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
     task = make_task(cfg.task, **step_lib.task_arguments(cfg))
-    meta_opt = step_lib.meta_optimizer(cfg.meta_opt, cfg.steps)
-    shapes = jax.eval_shape(lambda k: step_lib.init_state(task, meta_opt, cfg.baseline == "uniform", k),
-                            jax.random.key(0))
+    shapes = step_lib.checkpointed(step_lib.meta_program(cfg, mesh=None).state_shapes)
     return Run(cfg, task, step, state_dir, saved, shapes)
 
 
@@ -175,7 +173,12 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     per_example = jax.jit(lambda theta, fr, b: run.task.with_frozen(fr).example_losses(theta, b))
     loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
     theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
-    models = [("inner model (fine-tuned)", lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0])]
+    if run.cfg.population.size > 1 and not run.task.resets_inner:  # a population: member 0, as exported
+        theta_shapes = population.member_of(theta_shapes)
+        inner = lambda: population.member_of(run.part("inner")[0])
+    else:
+        inner = lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0]
+    models = [("inner model (fine-tuned)", inner)]
     if run.saved.get("base") is not None:
         models.append(("uniform baseline", lambda: run.part("base")["inner"][0]))
     if cfg.inner.init_from and run.task.lora is not None:  # fresh adapters (B = 0): the base model itself

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from metatrain import population
 from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig
 from metatrain.plan import Plan
@@ -61,21 +62,44 @@ def all_finite(tree) -> jax.Array:
 
 
 # ---- the meta-training program ---------------------------------------------------------------
-def init_state(task: Task, meta_opt: optax.GradientTransformation, baseline: bool, key: jax.Array) -> State:
+def init_state(task: Task, meta_opt: optax.GradientTransformation, baseline: bool, key: jax.Array,
+               members: int = 1, reset_to_pretrained: bool = False) -> State:
+    """The state at the start of meta-training (see the module docstring).
+
+    Args:
+      task: the task.
+      meta_opt: the meta-optimizer as the state holds it (`population.stack_optimizer` for one per member).
+      baseline: add the uniform baseline's state.
+      key: a JAX random key.
+      members: the population's size: with more than one, `inner` is stacked over the members.
+      reset_to_pretrained: add `reset_to`, the θ population resets go back to (`inner.init_from`'s, once placed).
+
+    Returns:
+      The state dict.
+    """
     k_meta, k_inner = jax.random.split(key)
     meta = task.init_meta(k_meta)
-    inner = None if task.resets_inner else task.init_inner(k_inner, meta)
+    if task.resets_inner:
+        inner = None
+    else:
+        inner = task.init_inner(k_inner, meta) if members == 1 else population.init_inner(task, k_inner, meta, members)
     state = {"step": jnp.zeros((), jnp.int32), "meta": meta, "meta_opt": meta_opt.init(meta), "inner": inner}
     if baseline:
         state["base"] = {"meta": task.baseline_meta(meta), "inner": task.init_inner(k_inner, meta)}
     if task.lora is not None:
         state["frozen"] = task.init_frozen(k_inner)
+    if reset_to_pretrained:
+        state["reset_to"] = task.init_params(k_inner)
     return state
 
 
+NOT_CHECKPOINTED = ("frozen", "reset_to")  # rebuilt at start-up from inner.init_from
+
+
 def checkpointed(state: State) -> State:
-    """The part of the state a checkpoint holds: all but the frozen LoRA base (rebuilt from `inner.init_from`)."""
-    return {k: v for k, v in state.items() if k != "frozen"}
+    """The part of the state a checkpoint holds: all but the frozen LoRA base and a population's reset weights
+    (both rebuilt from `inner.init_from`)."""
+    return {k: v for k, v in state.items() if k not in NOT_CHECKPOINTED}
 
 
 def host_placed(shardings, shapes):
@@ -133,20 +157,26 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
     return new, metrics
 
 
-def place_pretrained(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
+def place_pretrained(task: Task, meta_opt: optax.GradientTransformation, state: State, params,
+                     members: int = 1) -> State:
     """The state with pretrained inner-model parameters in place (`inner.init_from`): under LoRA the frozen base,
-    else see `Task.place_pretrained`."""
+    else see `Task.place_pretrained`; every member of a population (`members` > 1) starts from them."""
     if task.lora is not None:
         return dict(state, frozen=params)
     meta, inner = task.place_pretrained(params, state["meta"], state["inner"])
+    if members > 1 and not task.resets_inner:  # every member starts from the pretrained weights
+        inner = population.stacked([task.place_pretrained(params, meta, None)[1]] * members)
     new = dict(state, meta=meta, inner=inner, meta_opt=meta_opt.init(meta))
+    if "reset_to" in state:
+        new["reset_to"] = params
     if "base" in state:
         new["base"] = {"meta": task.baseline_meta(meta),
                        "inner": task.place_pretrained(params, meta, state["base"]["inner"])[1]}
     return new
 
 
-def place_scorer(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
+def place_scorer(task: Task, meta_opt: optax.GradientTransformation, state: State, params, members: int = 1
+                 ) -> State:
     """The state with a pretrained meta model in η (`meta_model.init_from`); see `LossWeighting.place_scorer`."""
     meta = task.place_scorer(params, state["meta"])
     new = dict(state, meta=meta, meta_opt=meta_opt.init(meta))
@@ -165,10 +195,12 @@ class Program:
     step: Callable[[State, dict, dict], tuple[State, dict]]  # (state, batches, outer batch) -> (state, metrics)
     mesh: jax.sharding.Mesh
     data: DataConfig
-    meta_opt: optax.GradientTransformation | None = None  # None for plain (pre)training
+    meta_opt: optax.GradientTransformation | None = None  # as the state holds it; None for plain (pre)training
     method: MetaGradMethod | None = None
     offload_moments: bool = False  # the meta-optimizer state's matrices live in host memory between steps
     offload_params: bool = False  # and η's
+    members: int = 1  # the population's size: the inner state is stacked over the members
+    stacked_meta_opt: bool = False  # and the meta-optimizer state too (population.reduce=update)
 
     @property
     def plan(self) -> Plan | None:
@@ -181,7 +213,16 @@ class Program:
 
     @functools.cached_property
     def state_shardings(self) -> State:
-        shardings = tree_shardings(self.state_shapes, self.mesh)
+        shapes = self.state_shapes
+        if self.members > 1:  # the members' leading axis unsplit; each member as a one-member state is sharded
+            one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+            shapes = dict(shapes, inner=one(shapes["inner"]),
+                          meta_opt=one(shapes["meta_opt"]) if self.stacked_meta_opt else shapes["meta_opt"])
+        shardings = tree_shardings(shapes, self.mesh)
+        if self.members > 1:
+            shardings["inner"] = population.member_shardings(shardings["inner"])
+            if self.stacked_meta_opt:
+                shardings["meta_opt"] = population.member_shardings(shardings["meta_opt"])
         if self.offload_moments:
             shardings["meta_opt"] = host_placed(shardings["meta_opt"], self.state_shapes["meta_opt"])
         if self.offload_params:
@@ -207,12 +248,26 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     g = cfg.metagrad  # the same fields as MetaGradMethod's, where `auto` may stand until overridden here
     method = MetaGradMethod(**dataclasses.asdict(g) | {"mode": mode or g.mode,
                                                          "kept_states": kept_states or g.kept_states})
-    o = cfg.meta_opt
-    return Program(task=task, init=functools.partial(init_state, task, meta_opt, cfg.baseline == "uniform"),
-                   step=functools.partial(outer_step, task, method, meta_opt, offload_moments=o.offload_moments,
-                                          offload_params=o.offload_params),
-                   mesh=mesh, data=cfg.data, meta_opt=meta_opt, method=method, offload_moments=o.offload_moments,
-                   offload_params=o.offload_params)
+    o, pop = cfg.meta_opt, cfg.population
+    stacked = pop.size > 1 and pop.reduce == "update"
+    held_opt = population.stack_optimizer(meta_opt, pop.size) if stacked else meta_opt
+    init = functools.partial(init_state, task, held_opt, cfg.baseline == "uniform", members=pop.size,
+                             reset_to_pretrained=resets_to_pretrained(cfg))
+    if pop.size > 1:
+        step = functools.partial(population.step, task, method, meta_opt, pop, cfg.seed, keep_if=keep_if,
+                                 all_finite=all_finite)
+    else:
+        step = functools.partial(outer_step, task, method, meta_opt, offload_moments=o.offload_moments,
+                                 offload_params=o.offload_params)
+    return Program(task=task, init=init, step=step, mesh=mesh, data=cfg.data, meta_opt=held_opt, method=method,
+                   offload_moments=o.offload_moments, offload_params=o.offload_params, members=pop.size,
+                   stacked_meta_opt=stacked)
+
+
+def resets_to_pretrained(cfg: Config) -> bool:
+    """Population resets go back to `inner.init_from`'s weights (kept in the state as `reset_to`): with resets, a
+    pretrained inner model, and θ the whole model (under LoRA fresh adapters are the base model already)."""
+    return bool(cfg.population.lifetime and cfg.inner.init_from and cfg.inner.lora.rank == 0)
 
 
 def task_arguments(cfg: Config) -> dict:
@@ -227,21 +282,23 @@ def task_arguments(cfg: Config) -> dict:
     return args
 
 
-def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None) -> Batches:
+def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None, members: int = 1) -> Batches:
     """ShapeDtypeStructs of one outer step's batches: inner [T, batch, seq+1], outer [batch, seq+1] (token ids,
-    segment ids, positions; a per-example `corrupted` flag), split over data x fsdp when a mesh is given."""
+    segment ids, positions; a per-example `corrupted` flag), split over data x fsdp when a mesh is given; with a
+    population (`members` > 1) each member's, stacked: [members, T, batch, seq+1] and [members, batch, seq+1]."""
     def batch(shape, sharding):
         seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("tokens", "segment_ids",
                                                                                       "positions")}
         return seq | {"corrupted": jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)}
 
-    inner_sharding, outer_sharding = ((batch_sharding(mesh, leading=1), batch_sharding(mesh)) if mesh is not None
-                                      else (None, None))
-    return (batch((data.inner_steps, data.batch, data.seq_len + 1), inner_sharding),
-            batch((data.batch, data.seq_len + 1), outer_sharding))
+    lead = (members,) if members > 1 else ()
+    inner_sharding, outer_sharding = ((batch_sharding(mesh, leading=len(lead) + 1),
+                                       batch_sharding(mesh, leading=len(lead))) if mesh is not None else (None, None))
+    return (batch((*lead, data.inner_steps, data.batch, data.seq_len + 1), inner_sharding),
+            batch((*lead, data.batch, data.seq_len + 1), outer_sharding))
 
 
-def random_batches(data: DataConfig, vocab: int, key: jax.Array) -> Batches:
+def random_batches(data: DataConfig, vocab: int, key: jax.Array, members: int = 1) -> Batches:
     """Batches of `batch_specs`' structure filled with random tokens: one document per row, none corrupted."""
     def fill(spec, k):
         return {"tokens": jax.random.randint(k, spec["tokens"].shape, 0, vocab, jnp.int32),
@@ -251,7 +308,7 @@ def random_batches(data: DataConfig, vocab: int, key: jax.Array) -> Batches:
                 "corrupted": jnp.zeros(spec["corrupted"].shape, jnp.int32)}
 
     k1, k2 = jax.random.split(key)
-    inner, outer = batch_specs(data)
+    inner, outer = batch_specs(data, members=members)
     return fill(inner, k1), fill(outer, k2)
 
 
@@ -266,7 +323,8 @@ def lower(program: Program) -> jax.stages.Lowered:
     """
     step = jax.jit(program.step, donate_argnums=0,
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
-    return step.lower(abstract(program.state_shapes, program.state_shardings), *batch_specs(program.data, program.mesh))
+    return step.lower(abstract(program.state_shapes, program.state_shardings),
+                      *batch_specs(program.data, program.mesh, program.members))
 
 
 def init(program: Program, key: jax.Array) -> State:

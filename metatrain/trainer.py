@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import aot, auto, distributed
+from metatrain import aot, auto, distributed, population
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -86,8 +86,13 @@ class Trainer:
                            file=sys.stderr)
             self._write_json("outer_step.json", {
                 "mesh": dict(self.mesh.shape), **({"plan": plan.name} if plan else {}),
-                **(dataclasses.asdict(self.program.method) if self.program.method else {}), **self.memory})
-        self._inner_sharding = batch_sharding(self.mesh, leading=1)
+                **(dataclasses.asdict(self.program.method) if self.program.method else {}),
+                **({"population": dataclasses.asdict(cfg.population)} if self.program.members > 1 else {}),
+                **self.memory})
+        self.members = self.program.members
+        lead = 1 if self.members > 1 else 0  # a population's batches: one per member, stacked
+        self._inner_sharding = batch_sharding(self.mesh, leading=lead + 1)
+        self._member_outer_sharding = batch_sharding(self.mesh, leading=lead)
         self._outer_sharding = batch_sharding(self.mesh)
         self._replicated = replicated(self.mesh)
         # the validation loss is the task's outer loss V(θ, η, x) on held-out batches (for the built-in tasks the mean
@@ -109,8 +114,8 @@ class Trainer:
         """The meta-training program, its task contract checked on shapes before anything compiles."""
         program = step_lib.meta_program(self.cfg, self.mesh)
         shapes = program.state_shapes
-        validate(program.task, shapes["meta"], shapes["inner"], step_lib.batch_specs(self.cfg.data)[1],
-                 shapes.get("frozen"))
+        inner = shapes["inner"] if program.members == 1 else population.member_of(shapes["inner"])  # one member's
+        validate(program.task, shapes["meta"], inner, step_lib.batch_specs(self.cfg.data)[1], shapes.get("frozen"))
         return program
 
     def _compile(self, program: step_lib.Program) -> tuple[step_lib.Program, jax.stages.Compiled]:
@@ -137,8 +142,12 @@ class Trainer:
 
         if self.task.lora is not None:
             which = lambda s: s["frozen"]
+        elif self.task.resets_inner:
+            which = lambda s: s["meta"]
+        elif self.program.members > 1:  # one member's θ (every member starts from it)
+            which = lambda s: population.member_of(s["inner"][0])
         else:
-            which = (lambda s: s["meta"]) if self.task.resets_inner else (lambda s: s["inner"][0])
+            which = lambda s: s["inner"][0]
         return self._placed(path, which, step_lib.place_pretrained, "inner.init_from")
 
     def _load_scorer(self, path: str):
@@ -155,7 +164,7 @@ class Trainer:
         from metatrain.export import load_params
 
         params = load_params(path, abstract(which(self.state), which(self.program.state_shardings)), field)
-        put = lambda state, params: place(self.task, self.program.meta_opt, state, params)
+        put = lambda state, params: place(self.task, self.program.meta_opt, state, params, self.program.members)
         return jax.jit(put, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
     @contextlib.contextmanager
@@ -169,23 +178,38 @@ class Trainer:
 
     def _global_batches(self):
         with self._data_wait():
-            inner, outer = self.streams.next()
+            if self.members == 1:
+                inner, outer = self.streams.next()
+            else:  # each member's batches, the next ones of the streams, stacked
+                inner, outer = population.stacked_batches([self.streams.next() for _ in range(self.members)])
         return (to_global(inner, self._inner_sharding, DEVICE_FEATURES),
-                to_global(outer, self._outer_sharding, DEVICE_FEATURES))
+                to_global(outer, self._member_outer_sharding, DEVICE_FEATURES))
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluated(self, which: str = "inner"):
-        """(θ, η) of the inner model (`inner`) or of the uniform baseline (`base`), on the device."""
+    def _evaluated(self, which: str = "inner", member: int = 0):
+        """(θ, η) of the inner model (`inner`; a population's `member`) or of the uniform baseline (`base`), on the
+        device."""
         part = self.state if which == "inner" else self.state["base"]
         meta = step_lib.on_device(part["meta"])
-        return (meta if part["inner"] is None else part["inner"][0]), meta
+        if part["inner"] is None:
+            return meta, meta
+        theta = part["inner"][0]
+        if which == "inner" and self.members > 1:
+            theta = jax.tree.map(lambda x: x[member], theta)
+        return theta, meta
 
-    def validation_loss(self, which: str = "inner") -> float:
-        """The task's outer loss (the built-in tasks: mean next-token loss) of the inner model on held-out test
-        documents (cfg.eval_batches batches). For tasks that restart from η (MAML) the inner model is η itself."""
-        theta, meta = self._evaluated(which)
+    def validation_loss(self, which: str = "inner", member: int = 0) -> float:
+        """The task's outer loss (the built-in tasks: mean next-token loss) of the inner model (a population's
+        `member`) on held-out test documents (cfg.eval_batches batches). For tasks that restart from η (MAML) the
+        inner model is η itself."""
+        theta, meta = self._evaluated(which, member)
         frozen = self.state.get("frozen")
         return float(np.mean([self._eval_loss(theta, meta, frozen, b) for b in self._test_batches()]))
+
+    def validation_losses(self) -> list[float]:
+        """Each member's validation loss (one entry without a population; MAML's members share η: one)."""
+        members = self.members if self.state["inner"] is not None else 1
+        return [self.validation_loss(member=i) for i in range(members)]
 
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
@@ -198,7 +222,11 @@ class Trainer:
         """Held-out evaluation: the validation loss of the learned run (and of the baseline), then the task's own
         metrics (`Task.evaluation`; loss weighting: AUC and the weights' statistics)."""
         tic = time.perf_counter()
-        out = {"step": int(self.state["step"]), "eval_validation_loss": self.validation_loss()}
+        losses = self.validation_losses()
+        out = {"step": int(self.state["step"]), "eval_validation_loss": float(np.mean(losses))}
+        if len(losses) > 1:  # a population: the members' mean above, each member and their spread here
+            out.update({f"eval_validation_loss/member_{i}": v for i, v in enumerate(losses)},
+                       eval_validation_loss_spread=max(losses) - min(losses))
         if "base" in self.state:
             out["eval_baseline_validation_loss"] = self.validation_loss("base")
         if self.evaluation is not None:
@@ -271,11 +299,15 @@ class Trainer:
         try:
             self._check_base()
             self.log = MetricsLog(cfg, start_step) if self.is_main else None
-            summary = {"start_validation_loss": self.validation_loss()}
+            summary = {"start_validation_loss": float(np.mean(self.validation_losses()))}
             eval_every = cfg.eval_every or max(1, cfg.steps // 10)
             evaluation, eval_seconds = None, 0.0
             t0 = time.perf_counter()
             for step in range(start_step, cfg.steps):
+                reset = population.resets_at(step, cfg.population)
+                if reset and self.is_main:
+                    tqdm.write(f"step {step + 1}: population member{'s' * (len(reset) > 1)} "
+                               f"{', '.join(map(str, reset))} reinitialised", file=sys.stderr)
                 tic = time.perf_counter()
                 batches, outer_batch = self._global_batches()
                 self.state, metrics = self.compiled(self.state, batches, outer_batch)
@@ -294,6 +326,8 @@ class Trainer:
                 else:
                     bad_in_a_row = 0
                 metrics["skipped_updates"] = skipped
+                if cfg.population.lifetime:
+                    metrics["resets"] = len(reset)
                 if self.log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
                     self.log.write(metrics)
                 bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",

@@ -34,6 +34,10 @@ def cmd_train(args) -> int:
 
         trainer = Trainer(cfg)
         what = f"meta-training {cfg.task} ({cfg.metagrad.mode}) for {cfg.steps} outer steps"
+        p = cfg.population
+        if p.size > 1:
+            what += (f", a population of {p.size} (reduce {p.reduce}"
+                     + (f", each reset every {p.lifetime} steps, staggered)" if p.lifetime else ")"))
     if resume:
         step = trainer.restore()
         if trainer.is_main:

@@ -26,11 +26,13 @@ pytestmark = pytest.mark.slow
 NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log nowhere else
 
 
-def test_exact_resume_after_sigkill_of_a_lora_run(tmp_path):
-    """A LoRA run (θ = adapters on a frozen base, rebuilt at start-up rather than saved) killed with SIGKILL resumes
+def test_exact_resume_after_sigkill_of_a_lora_population_run(tmp_path):
+    """A LoRA run (θ = adapters on a frozen base, rebuilt at start-up rather than saved) of a population of two with
+    staggered resets (lifetime 2: a member is reinitialised at every step) killed with SIGKILL resumes
     bit-identically to a run that was never stopped."""
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    lora = ("inner.lora.rank=4", "meta_model.n_layers=1")  # and a one-layer scorer
+    lora = ("inner.lora.rank=4", "meta_model.n_layers=1",  # and a one-layer scorer
+            "population.size=2", "population.lifetime=2")
     proc = metatrain("train", *TINY, *lora, "baseline=uniform", f"workdir={killed}", "steps=1000", "checkpoint_every=3",
                      background=True)
     deadline = time.time() + 300
@@ -45,8 +47,13 @@ def test_exact_resume_after_sigkill_of_a_lora_run(tmp_path):
     target = latest + 3
     out = train(killed, f"steps={target}", resume=True)
     assert f"from step {latest}" in out
-    train(straight, *lora, "baseline=uniform", f"steps={target}", "checkpoint_every=3")
+    res = metatrain("train", *TINY, *lora, "baseline=uniform", f"workdir={straight}", f"steps={target}",
+                    "checkpoint_every=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for step in range(1, target):  # the staggered resets are logged: member 1 at odd steps, member 0 at even
+        assert f"step {step + 1}: population member {step % 2} reinitialised" in res.stderr
     a, b = saved_state(killed, target), saved_state(straight, target)
+    assert jax.tree.leaves(a["inner"])[0].shape[0] == 2  # two members' adapters
     assert "frozen" not in a and all("lora_" in jax.tree_util.keystr(p)
                                      for p, _ in jax.tree_util.tree_flatten_with_path(a["inner"][0])[0])
     for key in ("meta", "inner", "base"):
