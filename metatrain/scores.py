@@ -30,6 +30,7 @@ from metatrain import paths, population
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
+from metatrain.data import records
 from metatrain.data.pipeline import document_source, split_ids
 from metatrain.data.tokenizer import load_tokenizer
 from metatrain.errors import ConfigError, DataError
@@ -102,6 +103,51 @@ def _batches(docs, ids, tok, seq_len: int, batch: int, max_rows: int) -> Iterato
             yield b, np.asarray([k for k, _ in take] + [-1] * pad), np.asarray([r["targets"] for r in rows])
 
 
+def score_stream(fn, params, items, tok, seq_len: int, batch: int, max_rows: int):
+    """Per-document means of `fn(params, batch) -> [batch]` over a stream of documents, in order and in bounded
+    memory: `items` yields (record with `.text`, progress); yields (record, its token count, its mean over its
+    target tokens (NaN without any), progress). Rows of several documents share a batch (padding rows at the
+    end only)."""
+    pending_docs, rows = [], []  # [record, progress, tokens, total, count, rows left]; (doc slot, row)
+    first = 0  # the document number of pending_docs[0]
+
+    def run_batch(take):
+        nonlocal first
+        pad = batch - len(take)
+        empty = {"tokens": np.zeros(seq_len + 1, np.int32), "segment_ids": np.zeros(seq_len + 1, np.int32),
+                 "positions": np.zeros(seq_len + 1, np.int32), "targets": 0}
+        rows_ = [r for _, r in take] + [empty] * pad
+        b = {f: np.stack([r[f] for r in rows_]) for f in ("tokens", "segment_ids", "positions")}
+        b["corrupted"] = np.zeros(batch, np.int32)
+        values = np.asarray(fn(params, b))
+        for (slot, r), v in zip(take, values):
+            doc = pending_docs[slot - first]
+            doc[3] += float(v) * r["targets"]
+            doc[4] += r["targets"]
+            doc[5] -= 1
+
+    def finished():
+        nonlocal first
+        while pending_docs and pending_docs[0][5] == 0:
+            rec, where, n_tokens, total, count, _ = pending_docs.pop(0)
+            first += 1
+            yield rec, n_tokens, (total / count if count else float("nan")), where
+
+    for rec, where in items:
+        tokens = tok.encode(rec.text)
+        doc_rows = document_rows(tokens, seq_len, max_rows)
+        slot = first + len(pending_docs)
+        pending_docs.append([rec, where, len(tokens), 0.0, 0, len(doc_rows)])
+        rows += [(slot, r) for r in doc_rows]
+        while len(rows) >= batch:
+            run_batch(rows[:batch])
+            rows = rows[batch:]
+        yield from finished()
+    if rows:
+        run_batch(rows)
+    yield from finished()
+
+
 def _per_document(fn, params, docs, ids, tok, cfg: Config, max_rows: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """fn(params, batch) -> [batch] per-row means, averaged per document over its target tokens (NaN for a document
     without any); and each document's target count."""
@@ -135,9 +181,12 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
-    docs = document_source(run.cfg.data, source or run.cfg.data.source)
     tok = load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size)
     fn = jax.jit(run.task.scores)
+    spec = source or run.cfg.data.source
+    if spec.startswith(tuple(records.FORMATS)):  # streamed: bounded memory whatever the file's size
+        return _scores_streamed(run, spec, out, tok, fn, max_rows)
+    docs = document_source(run.cfg.data, spec)
     values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), tok, run.cfg, max_rows, "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
     with open(out, "w") as f:
@@ -146,6 +195,43 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
             weight = float(weights[i]) if np.isfinite(weights[i]) else None
             f.write(json.dumps({"id": docs.doc_id(i), "score": score, "weight": weight}) + "\n")
     return out, len(docs)
+
+
+def _scores_streamed(run: Run, spec: str, out: str, tok, fn, max_rows: int) -> tuple[str, int]:
+    """`scores` of a JSONL or Parquet source, streamed: one pass scores every document into OUT.tmp (and the
+    log-mean of e^score the weights need), a second writes OUT with the weights."""
+    kind, pattern = records.input_format(spec)
+    files = records.files(kind, pattern)
+    mine = records.share(kind, files, 0, 1)
+    d = run.cfg.data
+    n, finite, log_sum = 0, 0, -math.inf
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f, tqdm(total=mine.size, desc="scoring", unit="B" if kind == "jsonl" else " docs",
+                                   unit_scale=kind == "jsonl", file=sys.stderr, mininterval=1.0) as bar:
+        for rec, _, score, where in score_stream(fn, run.part("meta"), records.read(kind, files, mine, d.text_field,
+                                                                                   d.id_field),
+                                                 tok, d.seq_len, d.batch, max_rows):
+            f.write(json.dumps([rec.id, score if math.isfinite(score) else None]) + "\n")
+            n += 1
+            if math.isfinite(score):
+                finite += 1
+                log_sum = np.logaddexp(log_sum, score)
+            bar.update(where - bar.n)
+    if not n:
+        os.remove(tmp)
+        raise DataError(f"scores: {spec} holds no documents")
+    if not finite:
+        os.remove(tmp)
+        raise DataError(f"scoring: none of the {n:,} documents has a token to predict (empty texts, or a document of "
+                        "one token); nothing to score")
+    log_mean = log_sum - math.log(finite)
+    with open(tmp) as f, open(out, "w") as g:
+        for line in f:
+            doc_id, score = json.loads(line)
+            weight = None if score is None else d.batch / (1 + (d.batch - 1) * math.exp(log_mean - score))
+            g.write(json.dumps({"id": doc_id, "score": score, "weight": weight}) + "\n")
+    os.remove(tmp)
+    return out, n
 
 
 def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from metatrain import paths
 from metatrain.cli import common
 from metatrain.config import presets
 from metatrain.export import FORMATS, WHATS
@@ -102,6 +104,35 @@ def cmd_scores(args) -> int:
     return 0
 
 
+def cmd_filter(args) -> int:
+    from metatrain import distributed
+    from metatrain.filtering import filter_corpus
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+    m = filter_corpus(args.run, args.data, args.out, args.drop, args.method, args.batch, args.seed, args.cdf_sample,
+                      args.score_batch, args.max_rows)
+    import jax
+
+    if jax.process_index() == 0:
+        d, t = m["documents"], m["tokens"]
+        print(f"kept {d['kept']:,} of {d['in']:,} documents ({100 * d['kept_fraction']:.2f}%), {t['kept']:,} of "
+              f"{t['in']:,} tokens; {m['documents_per_second']:,.0f} documents/s")
+        out = paths.local(args.out)
+        print(f"wrote {os.path.join(out, 'manifest.json')} and {', '.join(m['outputs']) or 'no file'}; train on them "
+              f"with data.source={m['format']}:{os.path.join(out, '*.' + m['format'])}")
+    return 0
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"the fraction to drop must be in (0, 1), got {value}")
+    return value
+
+
 def cmd_eval(args) -> int:
     from metatrain.scores import evaluate, perplexity
 
@@ -175,6 +206,23 @@ def register(sub) -> None:
     p.add_argument("--max-rows", type=common.positive_int, default=4,
                    help="score a document by its first N rows of seq_len+1")
     p.set_defaults(fn=cmd_scores)
+    p = sub.add_parser("filter", help="keep 1-ρ of a corpus by a loss-weighting run's scores (curated data out)")
+    p.add_argument("run", help="a `metatrain train` work dir of task loss_weighting")
+    p.add_argument("--data", required=True, help="jsonl:PATH_OR_GLOB or parquet:PATH_OR_GLOB (written back as it is)")
+    p.add_argument("--out", required=True, help="a new directory: part-*.jsonl|parquet and manifest.json")
+    p.add_argument("--drop", type=_fraction, required=True, help="ρ, the fraction of documents to drop, in (0, 1)")
+    p.add_argument("--method", choices=["topk", "p_accept"], default="topk",
+                   help="topk: the best B of every B/(1-ρ) drawn; p_accept: each kept with the probability it "
+                        "would be in a batch's top B(1-ρ)")
+    p.add_argument("--batch", type=common.positive_int, default=256, help="B (default 256)")
+    p.add_argument("--seed", type=common.nonnegative_int, default=0, help="topk's draws and p_accept's coins")
+    p.add_argument("--cdf-sample", type=common.positive_int, default=1_000_000,
+                   help="p_accept: the scores' CDF from all documents up to this many, else from a sample this big")
+    p.add_argument("--score-batch", type=common.positive_int, default=64, help="rows per scoring call")
+    p.add_argument("--max-rows", type=common.positive_int, default=4,
+                   help="score a document by its first N rows of seq_len+1")
+    _add_distributed_args(p)
+    p.set_defaults(fn=cmd_filter)
     p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start")
     p.add_argument("workdir", help="a `metatrain train` work dir")
     p.add_argument("--data", default=None, help="a data source (default: the run's validation documents)")

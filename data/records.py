@@ -1,0 +1,165 @@
+"""Documents streamed from JSONL or Parquet files, record by record, for corpus-scale passes (`metatrain filter`).
+
+Nothing indexes the whole input: a JSONL input is split into contiguous byte ranges (a range owns the lines
+that start inside it), a Parquet input into runs of row groups, and process k of P reads its share
+(`Share`). Every record carries a key, (file number, byte offset of its line or row number in its file), that
+is the same whichever process reads it, and its raw form (the line's bytes, or its row number), so kept records
+are written back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from metatrain.data.sources import _files, _json_record, _text_of
+from metatrain.errors import DataError
+
+FORMATS = {"jsonl:": "jsonl", "parquet:": "parquet"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    file: int  # the file's number among the input's (sorted) files
+    offset: int  # JSONL: the line's byte offset; Parquet: the row's number in its file
+    text: str
+    raw: bytes | None  # JSONL: the line as read (written back unchanged); Parquet: None
+    id: object = None  # the id field's value, else the line number (JSONL; file:line with several files) or the
+    # row number over all files (Parquet), as `data.source` numbers documents; None unless asked for
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """What one of `parts` processes reads: JSONL byte ranges [(file, start, end)] or Parquet row groups
+    [(file, row group)], and how big its share is (bytes or rows: the progress bar's total)."""
+
+    spans: tuple
+    size: int
+
+
+def input_format(spec: str) -> tuple[str, str]:
+    """(`jsonl` | `parquet`, the path or glob) of a source spec; other kinds are refused."""
+    for prefix, kind in FORMATS.items():
+        if spec.startswith(prefix):
+            return kind, spec[len(prefix):]
+    raise DataError(f"--data {spec!r}: filtering writes documents back in their own format; give jsonl:PATH_OR_GLOB "
+                    "or parquet:PATH_OR_GLOB")
+
+
+def files(kind: str, pattern: str) -> list[str]:
+    """The input's files, sorted; one holding no document at all is not refused here (see `check_not_empty`)."""
+    return _files(kind, pattern)
+
+
+def check_not_empty(kind: str, paths: list[str], spec: str) -> None:
+    """Refuse an input without a single record, before anything is written."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        if all(pq.ParquetFile(p).metadata.num_rows == 0 for p in paths):
+            raise DataError(f"--data {spec}: no documents (0 rows)")
+        return
+    for p in paths:
+        with open(p, "rb") as f:
+            if any(line.strip() for line in f):
+                return
+    raise DataError(f"--data {spec}: no documents (the file(s) hold no JSON lines)")
+
+
+def share(kind: str, paths: list[str], part: int, parts: int) -> Share:
+    """Process `part` of `parts`' share: contiguous byte ranges of the files' concatenation (JSONL), or a
+    contiguous run of their row groups (Parquet)."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        groups = [(k, g, pq.ParquetFile(p).metadata.row_group(g).num_rows) for k, p in enumerate(paths)
+                  for g in range(pq.ParquetFile(p).metadata.num_row_groups)]
+        lo, hi = len(groups) * part // parts, len(groups) * (part + 1) // parts
+        mine = groups[lo:hi]
+        return Share(tuple((k, g) for k, g, _ in mine), sum(n for _, _, n in mine))
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    lo, hi = total * part // parts, total * (part + 1) // parts
+    spans, base = [], 0
+    for k, size in enumerate(sizes):
+        start, end = max(lo - base, 0), min(hi - base, size)
+        if start < end:
+            spans.append((k, start, end))
+        base += size
+    return Share(tuple(spans), hi - lo)
+
+
+def read(kind: str, paths: list[str], mine: Share, text_field: str, id_field: str | None = None
+         ) -> Iterator[tuple[Record, int]]:
+    """The share's records in input order, each with how far the reader got (bytes or rows, for progress); with
+    `id_field` each record's id."""
+    if kind == "parquet":
+        yield from _parquet(paths, mine, text_field, id_field)
+    else:
+        yield from _jsonl(paths, mine, text_field, id_field)
+
+
+def _jsonl(paths, mine: Share, text_field: str, id_field: str | None):
+    done = 0
+    for k, start, end in mine.spans:
+        path = paths[k]
+        with open(path, "rb") as f:
+            offset = start
+            if start > 0:  # a line that starts before the range belongs to the range before
+                f.seek(start - 1)
+                if f.read(1) != b"\n":
+                    offset = start + len(f.readline())
+            f.seek(offset)
+            line_no = _line_number(path, offset) if offset else 1
+            while offset < end:
+                raw = f.readline()
+                if not raw:
+                    break
+                if raw.strip():
+                    record = _json_record(raw, path, line_no)
+                    text = _text_of(record, text_field, f"{path}:{line_no}")
+                    doc_id = None
+                    if id_field is not None:
+                        doc_id = record.get(id_field)
+                        if doc_id is None:
+                            doc_id = line_no if len(paths) == 1 else f"{os.path.basename(path)}:{line_no}"
+                    yield Record(k, offset, text, raw, doc_id), done + min(offset + len(raw), end) - start
+                offset += len(raw)
+                line_no += 1
+        done += end - start
+
+
+def _line_number(path: str, offset: int) -> int:
+    """The 1-based line number of the line starting at byte `offset` (for an error message)."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def _parquet(paths, mine: Share, text_field: str, id_field: str | None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done, opened = 0, {}
+    before = np.cumsum([0] + [pq.ParquetFile(p).metadata.num_rows for p in paths])  # rows of the earlier files
+    for k, g in mine.spans:
+        pf = opened.get(k) or opened.setdefault(k, pq.ParquetFile(paths[k]))
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(f"{paths[k]}: no column {text_field!r} (columns: {pf.schema_arrow.names[:8]}); name the "
+                            "text column with data.text_field")
+        first = sum(pf.metadata.row_group(i).num_rows for i in range(g))
+        with_ids = id_field is not None and id_field in pf.schema_arrow.names
+        group = pf.read_row_group(g, columns=[text_field] + ([id_field] if with_ids else []))
+        column = group.column(text_field)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise DataError(f"{paths[k]}: column {text_field!r} is {column.type}, not text")
+        ids = group.column(id_field).to_pylist() if with_ids else [None] * group.num_rows
+        for i, (text, doc_id) in enumerate(zip(column.to_pylist(), ids)):
+            if text is None:
+                raise DataError(f"{paths[k]}: row {first + i}: column {text_field!r} is null, not text")
+            if id_field is not None and doc_id is None:
+                doc_id = int(before[k]) + first + i
+            done += 1
+            yield Record(k, first + i, text, None, doc_id), done
