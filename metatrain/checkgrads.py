@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from metatrain import population
 from metatrain.bench.variants import Variant, build_task, variants
+from metatrain.config import PopulationConfig
 from metatrain.data.pipeline import DataConfig
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
@@ -35,6 +37,7 @@ class Result:
     rel_err: float  # max |g - g_ref| / max |g_ref|, g_ref = reverse-over-reverse without remat
     fd_err: float  # max over directions u of |<g, u> - FD_u| / |FD_u|
     ok: bool
+    members_err: float | None = None  # a population: max |g - mean of the members' own g| / max |that mean|
 
 
 def _directional_fd(f: Callable[[float], jax.Array], eps: float, n_steps: int = 7) -> jax.Array:
@@ -58,10 +61,13 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
                 perturb: float = 0.05, modes=MODES, kept_states: str = "every_step",
                 only: list[Variant] | None = None, progress: Callable = lambda it, **_: it,
-                lora: LoRAConfig | None = None, meta_model: ModelConfig | None = None) -> list[Result]:
+                lora: LoRAConfig | None = None, meta_model: ModelConfig | None = None, members: int = 1,
+                tol_members: float = 1e-12) -> list[Result]:
     """Every variant's meta-gradient (`modes` x remat x save, or just the variants in `only`) against plain
     reverse-over-reverse and finite differences, in float64; `data` gives the batch shapes (seq_len, batch,
-    inner_steps)."""
+    inner_steps). With `members` > 1, a population's (`population.run_members`, reduce=grad): also against the mean
+    of its members' meta-gradients, each computed alone with the same variant (`members_err`, within
+    `tol_members`)."""
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ConfigError(f"--modes: unknown mode(s) {sorted(unknown)}; choose from {MODES}")
@@ -83,16 +89,26 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     flat, unravel = ravel_pytree(meta)
     flat = flat + perturb * jax.random.normal(k_noise, flat.shape, flat.dtype)
     meta = unravel(flat)
-    inner = ref_task.init_inner(k_inner, meta)
-    batches, outer_batch = random_batches(data, model.vocab_size, k_data)
-    validate(ref_task, meta, inner, outer_batch, frozen)
+    batches, outer_batch = random_batches(data, model.vocab_size, k_data, members=members)
+    if members > 1:
+        inner = None if ref_task.resets_inner else population.init_inner(ref_task, k_inner, meta, members)
+        part = lambda k: (population.member(inner, k), population.member(batches, k),
+                          population.member(outer_batch, k))
+        validate(ref_task, meta, part(0)[0], part(0)[2], frozen)
+    else:
+        inner = ref_task.init_inner(k_inner, meta)
+        validate(ref_task, meta, inner, outer_batch, frozen)
 
     # Fourth-order central differences of the outer loss along random unit directions. Inner Adam
     # makes V(η) far from smooth for some tasks, so no single step suits all: for each direction we
     # take steps eps, eps/√10, ..., and keep the estimate whose neighbour agrees with it best (an
     # estimate of its own error that never looks at the gradient under test).
-    value = jax.jit(lambda m, fr: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("autodiff", False))(
-        m, inner, batches, outer_batch)[0])
+    one_value = lambda m, fr, i, b, o: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("autodiff", False))(
+        m, i, b, o)[0]
+    if members > 1:  # the population's outer loss: its members' mean
+        value = jax.jit(lambda m, fr: sum(one_value(m, fr, *part(k)) for k in range(members)) / members)
+    else:
+        value = jax.jit(lambda m, fr: one_value(m, fr, inner, batches, outer_batch))
     dirs = jax.random.normal(k_dir, (directions, flat.size), flat.dtype)
     dirs = dirs / jnp.linalg.norm(dirs, axis=1, keepdims=True)
     fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen), eps) for u in dirs])
@@ -108,7 +124,16 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         # (+offload_states runs as is: on CPU host memory is the same memory: this checks its backward pass exactly)
         grad_fn = jax.jit(lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr),
                                                                                           method)(*args))
-        _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
+        members_err = None
+        if members > 1:
+            pop_grad = jax.jit(lambda fr, *args, task=task, method=method: population.run_members(
+                task.with_frozen(fr), method, PopulationConfig(size=members), seed, 0, *args).grad)
+            grad = pop_grad(frozen, meta, inner, batches, outer_batch)
+            alone = [ravel_pytree(grad_fn(frozen, meta, *part(k))[1])[0] for k in range(members)]
+            mean = sum(alone) / members
+            members_err = float(jnp.max(jnp.abs(ravel_pytree(grad)[0] - mean)) / jnp.max(jnp.abs(mean)))
+        else:
+            _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
         g = ravel_pytree(grad)[0]
         ref = g if ref is None else ref  # the first variant is plain reverse-over-reverse
         if not (bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(jnp.isfinite(ref)))):
@@ -116,5 +141,6 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
             continue
         rel = float(jnp.max(jnp.abs(g - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-300))
         fd_err = float(jnp.max(jnp.abs(dirs @ g - fd) / jnp.maximum(jnp.abs(fd), 1e-300)))
-        results.append(Result(v.name, rel, fd_err, rel <= tol_rel and fd_err <= tol_fd))
+        ok = rel <= tol_rel and fd_err <= tol_fd and (members_err is None or members_err <= tol_members)
+        results.append(Result(v.name, rel, fd_err, ok, members_err))
     return results

@@ -11,34 +11,45 @@ from metatrain.mixflow import MODES
 def cmd_check_grads(args) -> int:
     from metatrain import checkgrads
     from metatrain.config import load, meta_model_config
+    from metatrain.errors import ConfigError
 
     model, data = common.model(args), common.data_shapes(args)
     cfg = load(None, list(args.overrides))  # inner.lora.*, meta_model.*: as a run would take them
     cfg = dataclasses.replace(cfg, model=model)
     lora = cfg.inner.lora if cfg.inner.lora.rank > 0 else None
+    members = cfg.population.size
+    if cfg.population.reduce != "grad" or cfg.population.lifetime:
+        raise ConfigError("check-grads: a population's meta-gradient is checked as population.size=N alone "
+                          "(reduce=update and lifetime change the meta-update, not the meta-gradient)")
     print(f"check-grads: task={args.task} model={args.model} (d={model.d_model}, L={model.n_layers}, "
           f"V={model.vocab_size}) T={data.inner_steps} B={data.batch} S={data.seq_len}, float64"
-          + (f", LoRA rank {lora.rank} on {lora.targets}" if lora else ""))
+          + (f", LoRA rank {lora.rank} on {lora.targets}" if lora else "")
+          + (f", a population of {members} (each member on its own batches)" if members > 1 else ""))
     results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
                                      modes=tuple(args.modes.split(",")), kept_states=args.kept_states,
                                      only=common.variants(args, args.variants) if args.variants else None,
-                                     progress=common.progress, lora=lora, meta_model=meta_model_config(cfg))
+                                     progress=common.progress, lora=lora, meta_model=meta_model_config(cfg),
+                                     members=members, tol_members=args.tol_members)
     width = max(22, *(len(r.variant) for r in results))
-    print(f"{'variant':<{width}} {'rel. err vs autodiff':>20} {'finite-diff err':>16}  ok")
+    extra = f" {'vs members mean':>16}" if members > 1 else ""
+    print(f"{'variant':<{width}} {'rel. err vs autodiff':>20} {'finite-diff err':>16}{extra}  ok")
     for r in results:
-        print(f"{r.variant:<{width}} {r.rel_err:>20.3e} {r.fd_err:>16.3e}  {'yes' if r.ok else 'NO'}")
+        cell = f" {r.members_err:>16.3e}" if members > 1 else ""
+        print(f"{r.variant:<{width}} {r.rel_err:>20.3e} {r.fd_err:>16.3e}{cell}  {'yes' if r.ok else 'NO'}")
     if any("+bf16_state" in r.variant for r in results):
         print("(+bf16_state: its backward pass run with float64 storage; what bfloat16 rounding costs is bounded by "
               "a test of its own)")
     bad = [r.variant for r in results if not r.ok]
     common.write_json(args.json, {"task": args.task, "tol_rel": args.tol_rel, "tol_fd": args.tol_fd,
+                                  **({"members": members, "tol_members": args.tol_members} if members > 1 else {}),
                                   "results": [vars(r) for r in results]})
     if bad:
-        print(f"FAILED: {len(bad)} variant(s) past tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g}): "
-              + ", ".join(bad))
+        print(f"FAILED: {len(bad)} variant(s) past tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g}"
+              + (f", members {args.tol_members:g}" if members > 1 else "") + "): " + ", ".join(bad))
         return 1
-    print(f"all {len(results)} variants within tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g})")
+    print(f"all {len(results)} variants within tolerance (rel {args.tol_rel:g}, fd {args.tol_fd:g}"
+          + (f", members {args.tol_members:g}" if members > 1 else "") + ")")
     return 0
 
 
@@ -53,11 +64,14 @@ def register(sub) -> None:
                    help="largest finite-difference step (4th-order stencil, then steps down by sqrt(10))")
     p.add_argument("--tol-rel", type=float, default=1e-10)
     p.add_argument("--tol-fd", type=float, default=1e-6)
+    p.add_argument("--tol-members", type=float, default=1e-12,
+                   help="population.size=N: a population's meta-gradient vs its members' mean")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma list of meta-gradient modes, any of {', '.join(MODES)} (default: all)")
     p.add_argument("--variants", default=None,
                    help="check just these variants (comma list, e.g. mixflow+remat+save,revfwd+sqrt) instead of "
                         "every mode x remat x save; plain reverse-over-reverse is always the reference")
     p.add_argument("overrides", nargs="*", help="run-config overrides the check takes: inner.lora.rank=4 "
-                                                "(inner.lora.alpha, inner.lora.targets), meta_model.*")
+                                                "(inner.lora.alpha, inner.lora.targets), meta_model.*, "
+                                                "population.size=N")
     p.set_defaults(fn=cmd_check_grads)
