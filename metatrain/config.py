@@ -73,6 +73,9 @@ class PopulationConfig:
     size: int = 1  # inner models; data.batch is per member
     reduce: str = "grad"  # grad: the mean meta-gradient, one meta-optimizer | update: one per member, updates averaged
     lifetime: int = 0  # member i is reinitialised every this many outer steps, offset by i*lifetime/size; 0: never
+    # true: the members side by side, over a `population` mesh axis of `size` devices (each member's batch over its
+    # data x fsdp devices) instead of one after another: for pods, where devices outnumber what one member needs
+    axis: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +226,7 @@ def validate_population(cfg: Config, cls) -> None:
     _check(p.lifetime >= 0, "population.lifetime", f"must be >= 0 (0: never reset), got {p.lifetime}")
     if p.size == 1:
         _check(p.lifetime == 0, "population.lifetime", "resets need a population: set population.size >= 2")
+        _check(not p.axis, "population.axis", "a population axis needs a population: set population.size >= 2")
         return
     _check(not getattr(cls, "resets_inner", False) or p.lifetime == 0, "population.lifetime",
            f"task {cfg.task!r} restarts every outer step from η: its members carry no inner state to reset; "

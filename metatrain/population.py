@@ -124,7 +124,7 @@ class Members(NamedTuple):
 
 def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed: int, step_no, meta, inner,
                 batches: dict, outer_batch: dict, reset_to=None, meta_opt: optax.GradientTransformation | None = None,
-                opt_states=None) -> Members:
+                opt_states=None, side_by_side: bool = False) -> Members:
     """Every member's inner loop and meta-gradient, one after another (`lax.scan`), the sum carried.
 
     Args:
@@ -139,6 +139,8 @@ def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed:
       reset_to: θ to reset members to (pretrained), or None for a random init.
       meta_opt, opt_states: with per-member meta-optimizers (`reduce=update`): the one-member optimizer and the
         stacked states; each member's update is taken and averaged.
+      side_by_side: every member at once (`jax.vmap`; `population.axis=true` shards them over devices) instead of
+        one after another.
 
     Returns:
       `Members`.
@@ -165,9 +167,15 @@ def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed:
         return (grad_sum, update_sum), out
 
     zeros = jax.tree.map(jnp.zeros_like, meta)
-    (grad_sum, update_sum), (values, inner_losses, norms, inners, opts) = jax.lax.scan(
-        one, (zeros, zeros if per_member_opt else None), (jnp.arange(n), inner, batches, outer_batch, opt_states))
+    xs = (jnp.arange(n), inner, batches, outer_batch, opt_states)
     mean = lambda tree: None if tree is None else jax.tree.map(lambda x: x / n, tree)
+    if side_by_side:  # every member at once (over the population mesh axis); the sums over it are all-reduces
+        zero_carry = (zeros, zeros if per_member_opt else None)
+        (grads, updates), (values, inner_losses, norms, inners, opts) = jax.vmap(lambda x: one(zero_carry, x))(xs)
+        total = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sum(0), tree)
+        return Members(values, inner_losses, norms, inners, opts, mean(total(grads)), mean(total(updates)))
+    (grad_sum, update_sum), (values, inner_losses, norms, inners, opts) = jax.lax.scan(
+        one, (zeros, zeros if per_member_opt else None), xs)
     return Members(values, inner_losses, norms, inners, opts, mean(grad_sum), mean(update_sum))
 
 
@@ -180,7 +188,7 @@ def step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformat
     meta = state["meta"]
     per_member_opt = pop.reduce == "update"
     m = run_members(task, method, pop, seed, state["step"], meta, state["inner"], batches, outer_batch,
-                    state.get("reset_to"), meta_opt, state["meta_opt"] if per_member_opt else None)
+                    state.get("reset_to"), meta_opt, state["meta_opt"] if per_member_opt else None, pop.axis)
     grad_norm = optax.tree.norm(m.grad)
     if per_member_opt:
         updates, new_opt = m.updates, m.meta_opt
@@ -205,6 +213,10 @@ def step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformat
 
 
 def member_shardings(shardings):
-    """Shardings of stacked leaves: each member's sharding with the member axis unsplit in front."""
-    return jax.tree.map(lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec),
-                                                             memory_kind=s.memory_kind), shardings)
+    """Shardings of stacked leaves: each member's sharding with the member axis in front, over the mesh's
+    `population` axis where it has one (`population.axis=true`), else unsplit."""
+    def stacked_(s):
+        axis = "population" if "population" in s.mesh.axis_names else None
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(axis, *s.spec), memory_kind=s.memory_kind)
+
+    return jax.tree.map(stacked_, shardings)

@@ -17,16 +17,27 @@ RULES = {"embed": "fsdp"}
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+def make_mesh(cfg: MeshConfig, devices=None, population: int = 0) -> jax.sharding.Mesh:
+    """The device mesh: `data` x `fsdp`, with `population` > 0 a leading `population` axis of that many devices
+    (`population.axis=true`: the members side by side)."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
+    if population:
+        if n % population:
+            raise ConfigError(f"population.axis: the {n} devices do not split into {population} members; use a "
+                              f"population.size that divides {n}, or population.axis=false")
+        n //= population
     fsdp = n if cfg.fsdp == -1 else cfg.fsdp
     data = n // fsdp if cfg.data == -1 else cfg.data
     if cfg.fsdp == -1 and cfg.data != -1:
         fsdp = n // data
     if data * fsdp != n or data < 1 or fsdp < 1:
-        raise ConfigError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not divide the {n} devices; "
+        each = f" of each of the {population} members" if population else ""
+        raise ConfigError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not divide the {n} devices{each}; "
                           f"set mesh.data=-1 or sizes whose product is {n}")
+    if population:
+        return jax.sharding.Mesh(np.asarray(devices).reshape(population, data, fsdp), ("population", "data", "fsdp"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 3)
     return jax.sharding.Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
@@ -64,9 +75,13 @@ def device_bytes(tree) -> int:
     return total
 
 
-def batch_sharding(mesh, leading: int = 0) -> NamedSharding:
-    """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp."""
-    return NamedSharding(mesh, P(*([None] * leading), BATCH_AXES))
+def batch_sharding(mesh, leading: int = 0, members: bool = False) -> NamedSharding:
+    """Split the batch axis (after `leading` unsplit axes, e.g. T) over data x fsdp; `members`: the first leading
+    axis (a population's members) over the mesh's `population` axis."""
+    lead = [None] * leading
+    if members and "population" in mesh.axis_names:
+        lead[0] = "population"
+    return NamedSharding(mesh, P(*lead, BATCH_AXES))
 
 
 def replicated(mesh) -> NamedSharding:

@@ -292,8 +292,10 @@ def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None, members
         return seq | {"corrupted": jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)}
 
     lead = (members,) if members > 1 else ()
-    inner_sharding, outer_sharding = ((batch_sharding(mesh, leading=len(lead) + 1),
-                                       batch_sharding(mesh, leading=len(lead))) if mesh is not None else (None, None))
+    on = members > 1  # the members' axis over the mesh's population axis, where it has one
+    inner_sharding, outer_sharding = ((batch_sharding(mesh, leading=len(lead) + 1, members=on),
+                                       batch_sharding(mesh, leading=len(lead), members=on)) if mesh is not None
+                                      else (None, None))
     return (batch((*lead, data.inner_steps, data.batch, data.seq_len + 1), inner_sharding),
             batch((*lead, data.batch, data.seq_len + 1), outer_sharding))
 

@@ -62,7 +62,7 @@ class Trainer:
         if self.is_main:
             require_wandb(cfg)
         self.show_progress = show_progress and self.is_main
-        self.mesh = make_mesh(cfg.mesh)
+        self.mesh = make_mesh(cfg.mesh, population=cfg.population.size if cfg.population.axis else 0)
         n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if cfg.data.batch % n_batch_shards:
             raise ConfigError(f"data.batch: {cfg.data.batch} does not divide over the {n_batch_shards} "
@@ -91,8 +91,8 @@ class Trainer:
                 **self.memory})
         self.members = self.program.members
         lead = 1 if self.members > 1 else 0  # a population's batches: one per member, stacked
-        self._inner_sharding = batch_sharding(self.mesh, leading=lead + 1)
-        self._member_outer_sharding = batch_sharding(self.mesh, leading=lead)
+        self._inner_sharding = batch_sharding(self.mesh, leading=lead + 1, members=bool(lead))
+        self._member_outer_sharding = batch_sharding(self.mesh, leading=lead, members=bool(lead))
         self._outer_sharding = batch_sharding(self.mesh)
         self._replicated = replicated(self.mesh)
         # the validation loss is the task's outer loss V(θ, η, x) on held-out batches (for the built-in tasks the mean

@@ -25,7 +25,7 @@ from metatrain.sharding import make_mesh
 def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Program, float | None]:
     """The run's meta-training program over this machine's devices or a TPU topology, and the HBM per chip."""
     devices, hbm = topology_devices(topology) if topology else (jax.devices(), None)
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = make_mesh(cfg.mesh, devices, population=cfg.population.size if cfg.population.axis else 0)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.data.batch % shards:
         where = f"the {len(devices)} chips of {topology}" if topology else f"the {len(devices)} devices here"

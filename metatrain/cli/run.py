@@ -39,7 +39,8 @@ def cmd_train(args) -> int:
         p = cfg.population
         if p.size > 1:
             what += (f", a population of {p.size} (reduce {p.reduce}"
-                     + (f", each reset every {p.lifetime} steps, staggered)" if p.lifetime else ")"))
+                     + (f", each reset every {p.lifetime} steps, staggered" if p.lifetime else "")
+                     + (", side by side over the population mesh axis)" if p.axis else ")"))
     if resume:
         step = trainer.restore()
         if trainer.is_main:

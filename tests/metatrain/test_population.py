@@ -143,3 +143,45 @@ def test_population_config_refusals():
             config_lib.load(None, overrides)
     assert dataclasses.asdict(config_lib.load(None, ["population.size=2"]).population) == {
         "size": 2, "reduce": "grad", "lifetime": 0}
+
+
+SIDE_BY_SIDE = """
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+from metatrain import config as config_lib, step
+from metatrain.sharding import make_mesh
+base = ["model.d_model=8", "model.n_heads=2", "model.d_ff=16", "model.n_layers=1", "model.vocab_size=32",
+        "model.param_dtype=float64", "data.seq_len=4", "data.batch=2", "population.size=2", "population.lifetime=2",
+        "population.reduce=update", "baseline=uniform"]
+states = {}
+for axis in (False, True):
+    cfg = config_lib.load(None, base + [f"population.axis={str(axis).lower()}"])
+    mesh = make_mesh(cfg.mesh, jax.devices() if axis else jax.devices()[:1], population=2 if axis else 0)
+    program = step.meta_program(cfg, mesh)
+    state, compiled = step.init(program, jax.random.key(0)), step.lower(program).compile()
+    specs = step.batch_specs(cfg.data, mesh, 2)
+    for k in range(2):
+        batches = step.random_batches(cfg.data, 32, jax.random.key(k + 1), members=2)
+        state, _ = compiled(state, *jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), batches, specs))
+    spec = jax.tree.leaves(state["inner"])[0].sharding.spec
+    assert (spec[0] == "population") == axis, spec
+    states[axis] = jax.device_get(state)
+for key in ("meta", "inner", "meta_opt", "base"):
+    for x, y in zip(jax.tree.leaves(states[False][key]), jax.tree.leaves(states[True][key])):
+        np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-12)
+"""
+
+
+@pytest.mark.slow
+def test_members_side_by_side_over_a_population_axis_match_one_after_another():
+    """population.axis=true on 4 devices (2 members x 2 data shards each; vmap, the members' sums all-reduced)
+    against the members one after another on one device: two outer steps of reduce=update with a reset, and the
+    baseline, agree in float64 up to the order of reductions (1e-9 relative: the data-parallel split sums each
+    member's batch in two halves; float64 rounding is ~1e-16 per operation)."""
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    res = subprocess.run([sys.executable, "-c", SIDE_BY_SIDE], env=env(devices=4), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
