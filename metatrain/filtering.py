@@ -38,6 +38,7 @@ from metatrain.errors import ConfigError, DataError, MetatrainError
 METHODS = ("topk", "p_accept")
 SCORE_DTYPE = np.dtype([("file", "<i4"), ("offset", "<i8"), ("score", "<f8"), ("tokens", "<i4")])
 WINDOW_GROUPS = 64  # topk: groups are drawn within windows of this many groups of the input order
+DECIDE_CHUNK = 1 << 20  # documents decided at a time (whole topk windows)
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
@@ -176,9 +177,8 @@ def _decide(all_scores: AllScores, a: int, b: int, method: str, drop: float, bat
 
 
 def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, text_field: str) -> str | None:
-    """Write the share's kept records unchanged to OUT/part-0000k.jsonl|parquet; None when none is kept."""
-    if not keep.any():
-        return None
+    """Write the share's kept records unchanged to OUT/part-0000k.jsonl|parquet (`keep`: a decision per record of
+    the share, in order); returns the file's name."""
     name = f"part-{part:05d}.{kind}"
     path = os.path.join(out, name)
     if kind == "jsonl":
@@ -269,11 +269,20 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
         if not len(sample):
             raise DataError(f"--data {source}: none of the {all_scores.total:,} documents has a token to predict")
         a, b = int(all_scores.starts[part]), int(all_scores.starts[part + 1])
-        keep = _decide(all_scores, a, b, method, drop, batch, seed, sample if method == "p_accept" else None)
-        kept_tokens = int(all_scores.slice(a, b)["tokens"][keep].sum())
-        name = _write_pass(kind, files, mine, keep, out, part, run.cfg.data.text_field)
+        keep = np.memmap(os.path.join(staging, f"keep-{part:05d}.bin"), bool, mode="w+", shape=(max(b - a, 1),))
+        kept_docs = kept_tokens = 0
+        chunk = round(batch / (1 - drop)) * WINDOW_GROUPS * max(1, DECIDE_CHUNK // (round(batch / (1 - drop))
+                                                                                   * WINDOW_GROUPS))
+        for lo in range(a, b, chunk):  # whole topk windows at a time, bounded memory
+            hi = min(lo + chunk, b)
+            decided = _decide(all_scores, lo, hi, method, drop, batch, seed, sample if method == "p_accept" else None)
+            keep[lo - a:hi - a] = decided
+            kept_docs += int(decided.sum())
+            kept_tokens += int(all_scores.slice(lo, hi)["tokens"][decided].sum())
+        keep.flush()
+        name = _write_pass(kind, files, mine, keep, out, part, run.cfg.data.text_field) if kept_docs else None
         _write_json(os.path.join(staging, f"kept-{part:05d}.json"),
-                    {"documents": int(keep.sum()), "tokens": kept_tokens, "output": name})
+                    {"documents": kept_docs, "tokens": kept_tokens, "output": name})
         distributed.barrier("filter:written")
         manifest = _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, parts, sample,
                              cdf_sample, time.perf_counter() - tic)
