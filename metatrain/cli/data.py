@@ -62,6 +62,30 @@ def cmd_data_bench(args) -> int:
     return 0
 
 
+def cmd_data_make_noisy(args) -> int:
+    from metatrain import paths
+    from metatrain.data.noisy import make_noisy
+
+    out = paths.local(args.out)
+    m = make_noisy(out, args.rate, args.seed)
+    n = m["documents"]
+    kinds = ", ".join(f"{k} {v}" for k, v in m["defects"].items())
+    bad = sum(m["defects"].values())
+    print(f"wrote {out}: train.jsonl ({n['train']:,} documents, {bad:,} with a defect: {kinds}), "
+          f"trusted.jsonl ({n['trusted']:,}, clean), heldout.jsonl ({n['heldout']:,}, clean), manifest.json")
+    return 0
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"the fraction of defective documents must be in [0, 1), got {value}")
+    return value
+
+
 def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
@@ -89,3 +113,9 @@ def register(sub) -> None:
     p.add_argument("--inner-steps", type=common.positive_int, default=2)
     p.add_argument("--seconds", type=float, default=10.0)
     p.set_defaults(fn=cmd_data_bench)
+    p = data.add_parser("make-noisy", help="the built-in corpus with labelled realistic defects, a clean trusted set "
+                                           "and a clean held-out set (JSONL)")
+    p.add_argument("--out", required=True, help="a new directory: train.jsonl, trusted.jsonl, heldout.jsonl")
+    p.add_argument("--rate", type=_rate, default=0.3, help="the fraction of training documents with a defect")
+    p.add_argument("--seed", type=common.nonnegative_int, default=0)
+    p.set_defaults(fn=cmd_data_make_noisy)
