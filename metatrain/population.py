@@ -38,14 +38,9 @@ def stacked(trees: list):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def member(tree, i: int):
-    """Member i's slice of a stacked pytree (None stays None)."""
-    return jax.tree.map(lambda x: x[i], tree)
-
-
-def member_of(tree, i: int = 0):
-    """Member i's part of a stacked pytree of arrays or of ShapeDtypeStructs / shardings (their member axis
-    dropped)."""
+def member(tree, i: int = 0):
+    """Member i's part of a stacked pytree: its slice of each array, or of ShapeDtypeStructs and shardings the
+    member axis dropped (None stays None)."""
     def one(x):
         if isinstance(x, jax.ShapeDtypeStruct):
             sharding = x.sharding and jax.sharding.NamedSharding(x.sharding.mesh,
@@ -64,14 +59,14 @@ def stacked_batches(steps: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     return tuple({k: np.stack([s[j][k] for s in steps]) for k in steps[0][j]} for j in (0, 1))
 
 
-def offset(i: int, size: int, lifetime: int) -> int:
-    """The step of member i's first reset: i·L/N, the staggering (0 for member 0: its first reset is at L)."""
+def offset(i, size: int, lifetime: int):
+    """The step of member i's first reset: i·L/N, the staggering (member 0's first reset is at L)."""
     return i * lifetime // size
 
 
 def due(step, i, size: int, lifetime: int):
-    """Whether member i is reinitialised at the start of outer step `step` (a Python int or a traced array)."""
-    o = i * lifetime // size
+    """Whether member i is reinitialised at the start of outer step `step` (Python ints or traced arrays)."""
+    o = offset(i, size, lifetime)
     return (step > 0) & (step >= o) & ((step - o) % lifetime == 0)
 
 

@@ -260,8 +260,8 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
     theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
     if run.cfg.population.size > 1 and not run.task.resets_inner:  # a population: member 0, as exported
-        theta_shapes = population.member_of(theta_shapes)
-        inner = lambda: population.member_of(run.part("inner")[0])
+        theta_shapes = population.member(theta_shapes)
+        inner = lambda: population.member(run.part("inner")[0])
     else:
         inner = lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0]
     models = [("inner model (fine-tuned)", inner)]

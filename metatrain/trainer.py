@@ -114,7 +114,7 @@ class Trainer:
         """The meta-training program, its task contract checked on shapes before anything compiles."""
         program = step_lib.meta_program(self.cfg, self.mesh)
         shapes = program.state_shapes
-        inner = shapes["inner"] if program.members == 1 else population.member_of(shapes["inner"])  # one member's
+        inner = shapes["inner"] if program.members == 1 else population.member(shapes["inner"])  # one member's
         validate(program.task, shapes["meta"], inner, step_lib.batch_specs(self.cfg.data)[1], shapes.get("frozen"))
         return program
 
@@ -145,7 +145,7 @@ class Trainer:
         elif self.task.resets_inner:
             which = lambda s: s["meta"]
         elif self.program.members > 1:  # one member's θ (every member starts from it)
-            which = lambda s: population.member_of(s["inner"][0])
+            which = lambda s: population.member(s["inner"][0])
         else:
             which = lambda s: s["inner"][0]
         return self._placed(path, which, step_lib.place_pretrained, "inner.init_from")
@@ -194,8 +194,11 @@ class Trainer:
         if part["inner"] is None:
             return meta, meta
         theta = part["inner"][0]
-        if which == "inner" and self.members > 1:
-            theta = jax.tree.map(lambda x: x[member], theta)
+        if which == "inner" and self.members > 1:  # sliced in a program: the members may span hosts
+            if not hasattr(self, "_member_theta"):
+                shardings = population.member(self.program.state_shardings["inner"][0])
+                self._member_theta = jax.jit(lambda t, i: jax.tree.map(lambda x: x[i], t), out_shardings=shardings)
+            theta = self._member_theta(theta, member)
         return theta, meta
 
     def validation_loss(self, which: str = "inner", member: int = 0) -> float:
