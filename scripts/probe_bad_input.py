@@ -233,6 +233,21 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("scores of empty texts", ["scores", run, "--data", "jsonl:b.jsonl", "--out", "s.jsonl"],
                      "token to predict", setup=lambda d: jsonl(d / "b.jsonl", [{"text": ""}] * 5)))
     out.append(Probe("scores of a missing run", ["scores", "nothing"], "nothing"))
+    out.append(Probe("filter into a new dir", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur", "--drop",
+                                               "0.25", "--batch", "3"], None,
+                     check=lambda d, o: sum(1 for _ in open(d / "cur" / "part-00000.jsonl")) == 60
+                     and (d / "cur" / "manifest.json").is_file()))
+    out.append(Probe("filter into an existing dir", ["filter", run, "--data", f"jsonl:{docs}", "--out", "mine",
+                                                     "--drop", "0.3"], "exists", setup=user_dir, user_files=mine))
+    for drop in ("0", "1", "-0.5", "x"):
+        out.append(Probe(f"filter --drop {drop}", ["filter", run, "--data", f"jsonl:{docs}", "--out", "o", "--drop",
+                                                   drop], "(0, 1)" if drop != "x" else "not a number"))
+    out.append(Probe("filter of empty input", ["filter", run, "--data", "jsonl:b.jsonl", "--out", "o", "--drop", "0.3"],
+                     "no documents", setup=lambda d: write(d / "b.jsonl", "\n\n")))
+    out.append(Probe("filter of a text dir", ["filter", run, "--data", "dir:.", "--out", "o", "--drop", "0.3"],
+                     "jsonl:PATH_OR_GLOB"))
+    out.append(Probe("filter of an export dir", ["filter", exp, "--data", f"jsonl:{docs}", "--out", "o", "--drop",
+                                                 "0.3"], "no checkpoint"))
     out.append(Probe("eval of an export dir", ["eval", exp], "no checkpoint"))
     out.append(Probe("plot into a missing folder", ["plot", run, "--out", "new/p.png"], None,
                      check=lambda d, o: (d / "new" / "p.png").stat().st_size > 0))

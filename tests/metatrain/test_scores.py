@@ -90,3 +90,25 @@ def test_scores_of_a_missing_workdir_is_one_line(tmp_path, capsys):
     assert cli.main(["scores", str(tmp_path / "nothing")]) == 2
     assert "no such directory" in capsys.readouterr().err
 
+
+
+def test_streamed_scores_number_documents_as_their_source_does(shared_run, tmp_path):
+    """`scores` streams JSONL and Parquet; a record without an id gets the id the data source gives it (the line
+    number, file:line with several files; the row number over all Parquet files), in the source's order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metatrain.data.sources import open_source
+
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text('{"text": "x = 1"}\n\n{"text": "y = 2", "id": "mine"}\n')
+    (tmp_path / "j" / "b.jsonl").write_text('{"text": "import os"}\n')
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"text": ["a = 1", "b = 2", "c = 3"]}), tmp_path / "p" / "a.parquet", row_group_size=2)
+    pq.write_table(pa.table({"text": ["d = 4"]}), tmp_path / "p" / "b.parquet")
+    for spec in (f"jsonl:{tmp_path}/j/*.jsonl", f"parquet:{tmp_path}/p/*.parquet"):
+        out = tmp_path / "s.jsonl"
+        assert cli.main(["scores", str(shared_run["workdir"]), "--data", spec, "--out", str(out)]) == 0
+        source = open_source(spec)
+        assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [
+            source.doc_id(i) for i in range(len(source))]
