@@ -61,5 +61,5 @@ class Pretrainer(Trainer):
                               "dir")
         return pretrain_program(self.cfg, self.mesh)
 
-    def _evaluated(self, which: str = "inner"):
+    def _evaluated(self, which: str = "inner", member: int = 0):
         return self.state["params"], None

@@ -211,7 +211,7 @@ class Trainer:
 
     def validation_losses(self) -> list[float]:
         """Each member's validation loss (one entry without a population; MAML's members share η: one)."""
-        members = self.members if self.state["inner"] is not None else 1
+        members = self.members if self.state.get("inner") is not None else 1
         return [self.validation_loss(member=i) for i in range(members)]
 
     def _test_batches(self):

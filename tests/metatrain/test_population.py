@@ -142,7 +142,7 @@ def test_population_config_refusals():
         with pytest.raises(ConfigError, match=message):
             config_lib.load(None, overrides)
     assert dataclasses.asdict(config_lib.load(None, ["population.size=2"]).population) == {
-        "size": 2, "reduce": "grad", "lifetime": 0}
+        "size": 2, "reduce": "grad", "lifetime": 0, "axis": False}
 
 
 SIDE_BY_SIDE = """
@@ -152,7 +152,7 @@ from metatrain import config as config_lib, step
 from metatrain.sharding import make_mesh
 base = ["model.d_model=8", "model.n_heads=2", "model.d_ff=16", "model.n_layers=1", "model.vocab_size=32",
         "model.param_dtype=float64", "data.seq_len=4", "data.batch=2", "population.size=2", "population.lifetime=2",
-        "population.reduce=update", "baseline=uniform"]
+        "population.reduce=update"]
 states = {}
 for axis in (False, True):
     cfg = config_lib.load(None, base + [f"population.axis={str(axis).lower()}"])
@@ -166,7 +166,7 @@ for axis in (False, True):
     spec = jax.tree.leaves(state["inner"])[0].sharding.spec
     assert (spec[0] == "population") == axis, spec
     states[axis] = jax.device_get(state)
-for key in ("meta", "inner", "meta_opt", "base"):
+for key in ("meta", "inner", "meta_opt"):
     for x, y in zip(jax.tree.leaves(states[False][key]), jax.tree.leaves(states[True][key])):
         np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-12)
 """
@@ -175,8 +175,8 @@ for key in ("meta", "inner", "meta_opt", "base"):
 @pytest.mark.slow
 def test_members_side_by_side_over_a_population_axis_match_one_after_another():
     """population.axis=true on 4 devices (2 members x 2 data shards each; vmap, the members' sums all-reduced)
-    against the members one after another on one device: two outer steps of reduce=update with a reset, and the
-    baseline, agree in float64 up to the order of reductions (1e-9 relative: the data-parallel split sums each
+    against the members one after another on one device: two outer steps of reduce=update with a reset agree in
+    float64 up to the order of reductions (1e-9 relative: the data-parallel split sums each
     member's batch in two halves; float64 rounding is ~1e-16 per operation)."""
     import subprocess
     import sys
