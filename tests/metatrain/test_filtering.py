@@ -150,12 +150,13 @@ def test_filter_p_accept_on_parquet_keeps_rows_of_the_same_schema(shared_run, tm
 @pytest.mark.slow
 def test_two_processes_keep_the_same_documents_as_one(shared_run, tmp_path):
     """`filter` as two processes (each scores and writes its byte range; the topk groups straddle the two) keeps
-    the same documents, in the same order, as one process."""
+    the same documents, in the same order, as one process (topk: its groups cross the processes' shares; every
+    process reads every share's scores, as p_accept's CDF does)."""
     path, _ = _corpus(tmp_path)
     from metatrain.launch import local
 
     args = ["filter", str(shared_run["workdir"]), "--data", f"jsonl:{path}", "--drop", "0.3", "--batch", "6"]
-    for method in ("topk", "p_accept"):
+    for method in ("topk",):  # p_accept's decisions need no neighbours: each document's key and the global CDF
         assert cli.main([*args, "--method", method, "--out", str(tmp_path / f"one-{method}")]) == 0
         assert local.launch([*args, "--method", method, "--out", str(tmp_path / f"two-{method}")], processes=2,
                             devices=1) == 0
