@@ -36,6 +36,20 @@ def nonnegative_int(text: str) -> int:
     return _whole(text, 0)
 
 
+def fraction(what: str, zero: bool = False):
+    """An argparse type: a number in (0, 1), or [0, 1) with `zero`; the error names `what`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((0 <= value) if zero else (0 < value)) or not value < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be in {'[' if zero else '('}0, 1), got {value}")
+        return value
+
+    return parse
+
+
 def progress(it, desc=""):
     return tqdm(it, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
 

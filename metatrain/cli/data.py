@@ -76,16 +76,6 @@ def cmd_data_make_noisy(args) -> int:
     return 0
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"the fraction of defective documents must be in [0, 1), got {value}")
-    return value
-
-
 def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
@@ -116,6 +106,7 @@ def register(sub) -> None:
     p = data.add_parser("make-noisy", help="the built-in corpus with labelled realistic defects, a clean trusted set "
                                            "and a clean held-out set (JSONL)")
     p.add_argument("--out", required=True, help="a new directory: train.jsonl, trusted.jsonl, heldout.jsonl")
-    p.add_argument("--rate", type=_rate, default=0.3, help="the fraction of training documents with a defect")
+    p.add_argument("--rate", type=common.fraction("the fraction of defective documents", zero=True), default=0.3,
+                   help="the fraction of training documents with a defect")
     p.add_argument("--seed", type=common.nonnegative_int, default=0)
     p.set_defaults(fn=cmd_data_make_noisy)

@@ -124,16 +124,6 @@ def cmd_filter(args) -> int:
     return 0
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"the fraction to drop must be in (0, 1), got {value}")
-    return value
-
-
 def cmd_eval(args) -> int:
     from metatrain.scores import evaluate, perplexity
 
@@ -211,7 +201,8 @@ def register(sub) -> None:
     p.add_argument("run", help="a `metatrain train` work dir of task loss_weighting")
     p.add_argument("--data", required=True, help="jsonl:PATH_OR_GLOB or parquet:PATH_OR_GLOB (written back as it is)")
     p.add_argument("--out", required=True, help="a new directory: part-*.jsonl|parquet and manifest.json")
-    p.add_argument("--drop", type=_fraction, required=True, help="ρ, the fraction of documents to drop, in (0, 1)")
+    p.add_argument("--drop", type=common.fraction("the fraction to drop"), required=True,
+                   help="ρ, the fraction of documents to drop, in (0, 1)")
     p.add_argument("--method", choices=["topk", "p_accept"], default="topk",
                    help="topk: the best B of every B/(1-ρ) drawn; p_accept: each kept with the probability it "
                         "would be in a batch's top B(1-ρ)")
