@@ -43,9 +43,7 @@ def member(tree, i: int = 0):
     member axis dropped (None stays None)."""
     def one(x):
         if isinstance(x, jax.ShapeDtypeStruct):
-            sharding = x.sharding and jax.sharding.NamedSharding(x.sharding.mesh,
-                                                                 jax.sharding.PartitionSpec(*x.sharding.spec[1:]))
-            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=x.sharding and one(x.sharding))
         if isinstance(x, jax.sharding.NamedSharding):
             return jax.sharding.NamedSharding(x.mesh, jax.sharding.PartitionSpec(*x.spec[1:]),
                                               memory_kind=x.memory_kind)
@@ -119,13 +117,14 @@ class Members(NamedTuple):
 
 def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed: int, step_no, meta, inner,
                 batches: dict, outer_batch: dict, reset_to=None, meta_opt: optax.GradientTransformation | None = None,
-                opt_states=None, side_by_side: bool = False) -> Members:
+                opt_states=None) -> Members:
     """Every member's inner loop and meta-gradient, one after another (`lax.scan`), the sum carried.
 
     Args:
       task: the task (bound to the frozen base under LoRA).
       method: how each member's meta-gradient is computed.
-      pop: the population config (size, lifetime).
+      pop: the population config (size, lifetime; with `axis` every member at once, `jax.vmap` over the members
+        sharded over the population mesh axis, instead of one after another).
       seed: the run's seed (the reset keys derive from it).
       step_no: the outer step (the state's `step`): which members are reset first.
       meta: η.
@@ -134,8 +133,6 @@ def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed:
       reset_to: θ to reset members to (pretrained), or None for a random init.
       meta_opt, opt_states: with per-member meta-optimizers (`reduce=update`): the one-member optimizer and the
         stacked states; each member's update is taken and averaged.
-      side_by_side: every member at once (`jax.vmap`; `population.axis=true` shards them over devices) instead of
-        one after another.
 
     Returns:
       `Members`.
@@ -164,7 +161,7 @@ def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed:
     zeros = jax.tree.map(jnp.zeros_like, meta)
     xs = (jnp.arange(n), inner, batches, outer_batch, opt_states)
     mean = lambda tree: None if tree is None else jax.tree.map(lambda x: x / n, tree)
-    if side_by_side:  # every member at once (over the population mesh axis); the sums over it are all-reduces
+    if pop.axis:  # every member at once (over the population mesh axis); the sums over it are all-reduces
         zero_carry = (zeros, zeros if per_member_opt else None)
         (grads, updates), (values, inner_losses, norms, inners, opts) = jax.vmap(lambda x: one(zero_carry, x))(xs)
         total = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sum(0), tree)
@@ -183,7 +180,7 @@ def step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformat
     meta = state["meta"]
     per_member_opt = pop.reduce == "update"
     m = run_members(task, method, pop, seed, state["step"], meta, state["inner"], batches, outer_batch,
-                    state.get("reset_to"), meta_opt, state["meta_opt"] if per_member_opt else None, pop.axis)
+                    state.get("reset_to"), meta_opt, state["meta_opt"] if per_member_opt else None)
     grad_norm = optax.tree.norm(m.grad)
     if per_member_opt:
         updates, new_opt = m.updates, m.meta_opt

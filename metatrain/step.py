@@ -175,8 +175,7 @@ def place_pretrained(task: Task, meta_opt: optax.GradientTransformation, state: 
     return new
 
 
-def place_scorer(task: Task, meta_opt: optax.GradientTransformation, state: State, params, members: int = 1
-                 ) -> State:
+def place_scorer(task: Task, meta_opt: optax.GradientTransformation, state: State, params) -> State:
     """The state with a pretrained meta model in η (`meta_model.init_from`); see `LossWeighting.place_scorer`."""
     meta = task.place_scorer(params, state["meta"])
     new = dict(state, meta=meta, meta_opt=meta_opt.init(meta))
@@ -215,7 +214,7 @@ class Program:
     def state_shardings(self) -> State:
         shapes = self.state_shapes
         if self.members > 1:  # the members' leading axis unsplit; each member as a one-member state is sharded
-            one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+            one = population.member
             shapes = dict(shapes, inner=one(shapes["inner"]),
                           meta_opt=one(shapes["meta_opt"]) if self.stacked_meta_opt else shapes["meta_opt"])
         shardings = tree_shardings(shapes, self.mesh)
