@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -148,7 +149,8 @@ class Trainer:
             which = lambda s: population.member(s["inner"][0])
         else:
             which = lambda s: s["inner"][0]
-        return self._placed(path, which, step_lib.place_pretrained, "inner.init_from")
+        place = functools.partial(step_lib.place_pretrained, members=self.program.members)
+        return self._placed(path, which, place, "inner.init_from")
 
     def _load_scorer(self, path: str):
         """The meta model from pretrained parameters at `path` (`meta_model.init_from`)."""
@@ -164,7 +166,7 @@ class Trainer:
         from metatrain.export import load_params
 
         params = load_params(path, abstract(which(self.state), which(self.program.state_shardings)), field)
-        put = lambda state, params: place(self.task, self.program.meta_opt, state, params, self.program.members)
+        put = lambda state, params: place(self.task, self.program.meta_opt, state, params)
         return jax.jit(put, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
     @contextlib.contextmanager
