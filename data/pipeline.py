@@ -37,6 +37,7 @@ DEVICE_FEATURES = ("tokens", "segment_ids", "positions", "corrupted")  # what th
 class DataConfig:
     source: str = "builtin"  # builtin | tfds:NAME | jsonl:PATH | parquet:PATH | dir:PATH | hf-disk:PATH (see sources)
     outer_source: str = ""  # a trusted set for the outer (validation) loss; default: 1 in outer_every of `source`
+    eval_source: str = ""  # a clean set every evaluation reads in full; default: the validation share (see outer_every)
     text_field: str = "text"  # jsonl / parquet / hf-disk: the field holding a document's text
     id_field: str = "id"  # ... and its id (when absent: the line or row number)
     data_dir: str | None = None  # TFDS data dir (default: TFDS's own); may be a gs:// path
@@ -62,7 +63,7 @@ class DataConfig:
             raise ConfigError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
             raise ConfigError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
-        for name in ("source", "outer_source"):
+        for name in ("source", "outer_source", "eval_source"):
             spec = getattr(self, name)
             kind = spec.partition(":")[0] + ":"
             if kind in ("jsonl:", "parquet:", "dir:", "hf-disk:") and not spec[len(kind):].strip():
@@ -233,10 +234,15 @@ class Streams:
             self.trusted = trusted
             outer_ids, _, self.validation_ids = split_ids(len(trusted), cfg.outer_every, with_outer=False,
                                                           name=f"data.outer_source {cfg.outer_source!r}")
+        if cfg.eval_source:  # evaluation reads all of its own set
+            self.eval_docs = document_source(cfg, cfg.eval_source)
+            self.validation_ids = np.arange(len(self.eval_docs))
+        else:
+            self.eval_docs = self.trusted
         outer_name = cfg.outer_source or cfg.source
         for name, ids, source in (("inner", inner_ids, cfg.source), ("outer", outer_ids, outer_name),
                                   ("held-out", self.held_out_ids, cfg.source),
-                                  ("validation", self.validation_ids, outer_name)):
+                                  ("validation", self.validation_ids, cfg.eval_source or outer_name)):
             if len(ids) < n_shards:
                 raise DataError(f"data source {source!r}: its {name} share has {len(ids)} document(s), fewer than "
                                 f"the {n_shards} data shards; add documents or lower data.outer_every")
@@ -245,7 +251,7 @@ class Streams:
         self._common = dict(seq_len=cfg.seq_len, batch=cfg.batch // n_shards, process_count=n_shards,
                             shuffle_window=cfg.shuffle_window)
         for name, source, ids in (("inner", docs, inner_ids), ("outer", self.trusted, outer_ids),
-                                  ("validation", self.trusted, self.validation_ids)):
+                                  ("validation", self.eval_docs, self.validation_ids)):
             _check_fills_a_batch(name, source, ids[::n_shards], self.tokenizer, cfg, n_shards, process_index == 0)
         self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
                                   process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
@@ -261,8 +267,9 @@ class Streams:
                      of: str = "validation") -> Iterator[dict]:
         """Up to `n` batches [batch, seq+1] of documents never in either stream, the same every call, made as they
         are asked for: `validation` (the trusted set's held-out share, or the source's) or `held_out` (the inner
-        source's held-out share: the same as validation without an outer source)."""
-        docs, ids = (self.trusted, self.validation_ids) if of == "validation" else (self.docs, self.held_out_ids)
+        source's held-out share: the same as validation without an outer or evaluation source); `data.eval_source`,
+        when given, is the validation set, all of it."""
+        docs, ids = (self.eval_docs, self.validation_ids) if of == "validation" else (self.docs, self.held_out_ids)
         its = [iter(stream(docs, ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
                            process_index=k, **self._common)) for k in self._shards]
         for _ in range(n):

@@ -390,6 +390,7 @@ def local_paths(cfg: Config) -> Config:
     d = cfg.data
     data = dataclasses.replace(d, source=paths.prefixed(d.source, USER_SOURCES),
                                outer_source=paths.prefixed(d.outer_source, USER_SOURCES),
+                               eval_source=paths.prefixed(d.eval_source, USER_SOURCES),
                                tokenizer=paths.prefixed(d.tokenizer, (HF_PREFIX,)), data_dir=paths.local(d.data_dir))
     return dataclasses.replace(
         cfg, workdir=paths.local(cfg.workdir), data=data,

