@@ -59,3 +59,10 @@ def jaxpr_flops(jaxpr) -> float:
 def count(fn, *args) -> float:
     """FLOPs of `fn(*args)` (arrays or `jax.ShapeDtypeStruct`s), every loop counted with its trip count."""
     return jaxpr_flops(jax.make_jaxpr(fn)(*args))
+
+
+def program_flops(program) -> float:
+    """FLOPs of one outer step of a `step.Program` (meta-training or pretraining), at its batch shapes."""
+    from metatrain import step as step_lib
+
+    return count(program.step, program.state_shapes, *step_lib.batch_specs(program.data, None, program.members))

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from metatrain.cli import bench, check, data, run
+from metatrain.cli import bench, check, data, experiment, run
 from metatrain.errors import MetatrainError
 
-GROUPS = (run, check, bench, data)
+GROUPS = (run, check, bench, data, experiment)
 
 
 def build_parser() -> argparse.ArgumentParser:

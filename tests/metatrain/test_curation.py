@@ -1,0 +1,70 @@
+"""The curation experiment end to end at the micro scale, on a small slice of make-noisy's corpus."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from metatrain.curation_report import tokens_to_reach
+
+LINE = re.compile(r"^arm (unfiltered|rater|random|ppl_low|ppl_mid|ppl_high|oracle) drop (\d\.\d\d) nll (\d+\.\d{4}) "
+                  r"gross_gain (-?\d+\.\d{3}|nan) net_gain (-?\d+\.\d{3}|nan)$")
+
+
+def test_tokens_to_reach_interpolates_between_evaluations():
+    tokens, nll = np.asarray([10.0, 20.0, 30.0]), np.asarray([5.0, 4.0, 3.0])
+    assert tokens_to_reach(tokens, nll, 3.5) == 25.0
+    assert tokens_to_reach(tokens, nll, 6.0) == 10.0
+    assert np.isnan(tokens_to_reach(tokens, nll, 2.0))
+
+
+def _slice(src, dst, n):
+    os.makedirs(dst)
+    for name, keep in (("train.jsonl", n), ("trusted.jsonl", n // 4), ("heldout.jsonl", n // 4)):
+        with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+            g.writelines(line for _, line in zip(range(keep), f))
+
+
+@pytest.mark.slow
+def test_the_experiment_runs_end_to_end_and_continues_after_a_kill(tmp_path):
+    from metatrain.data.noisy import make_noisy
+
+    make_noisy(str(tmp_path / "noisy"), rate=0.3, seed=0)
+    _slice(str(tmp_path / "noisy"), str(tmp_path / "data"), 240)
+    command = [sys.executable, "-m", "metatrain.cli", "experiment", "curation", "exp", "--scale", "micro", "--drop",
+               "0.5", "--data", "data"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # killed in its first arms, then run again to the end
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("arm unfiltered seed 0"):
+            proc.kill()
+            break
+    proc.wait()
+    assert not (tmp_path / "exp" / "report").exists()
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "arm unfiltered seed 0" not in done.stderr  # the finished arm is not trained again
+    lines = [line for line in done.stdout.splitlines() if line.startswith("arm ")]
+    assert all(LINE.match(line) for line in lines), lines
+    arms = [LINE.match(line).group(1, 2) for line in lines]
+    assert arms == [("unfiltered", "0.00"), ("rater", "0.50"), ("random", "0.50"), ("ppl_low", "0.50"),
+                    ("ppl_mid", "0.50"), ("ppl_high", "0.50"), ("oracle", arms[-1][1])]
+    report = json.loads((tmp_path / "exp" / "report" / "report.json").read_text())
+    unfiltered = report["arms"][0]
+    assert unfiltered["gross_gain"] == 0 and len(unfiltered["nll_seeds"]) == 2
+    oracle = report["arms"][-1]
+    labels = [json.loads(line)["defect"] for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
+    assert oracle["kept"] == labels.count("none") and oracle["of"] == len(labels)
+    assert set(report["defects"]["0.5"]) == set(labels)
+    assert report["cost_tokens"]["rater"] > 0 and report["cost_tokens"]["ppl"] > report["budget_tokens"]
+    assert (tmp_path / "exp" / "report" / "curves.png").stat().st_size > 0
+    assert "Best ρ for the rater" in (tmp_path / "exp" / "report" / "report.md").read_text()
+    # the same directory with other settings is refused in one line
+    other = subprocess.run(command[:-2] + ["--seeds", "3", "--data", "data"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert other.returncode == 2 and "seeds" in other.stderr.splitlines()[-1]
