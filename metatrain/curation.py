@@ -155,14 +155,14 @@ def _overrides(scale: Scale) -> list[str]:
             f"data.seq_len={scale.seq_len}", "inner_lr=3e-3"]
 
 
-def _fit(trainer_cls, cfg, what: str):
+def _fit(trainer_cls, cfg, what: str, progress: bool = False):
     """Train `cfg` to its last step, continuing from its newest checkpoint; returns the finished trainer."""
     from metatrain import config as config_lib
     from metatrain import workdir as workdir_lib
 
     if os.path.isdir(cfg.workdir) and not workdir_lib.has_checkpoint(cfg.workdir):
         shutil.rmtree(cfg.workdir)  # started, nothing saved: start again
-    trainer = trainer_cls(cfg, show_progress=False)
+    trainer = trainer_cls(cfg, show_progress=progress)
     if workdir_lib.has_checkpoint(cfg.workdir):
         step = trainer.restore()
         _say(f"{what}: continuing from step {step}")
@@ -200,6 +200,8 @@ class Experiment:
         if scale not in SCALES:
             raise ConfigError(f"--scale {scale!r}: choose one of {sorted(SCALES)}")
         drops = tuple(sorted(set(float(d) for d in drops)))
+        if not drops:
+            raise ConfigError("--drop: give at least one fraction to drop, e.g. --drop 0.25")
         for d in drops:
             if not 0 < d < 1:
                 raise ConfigError(f"--drop {d:g}: each fraction to drop must be in (0, 1)")
@@ -232,6 +234,8 @@ class Experiment:
         self.docs = Documents.read(os.path.join(self.data, "train.jsonl"))
         if self.docs.labelled and not set(self.docs.defects) - {"none"}:
             self.docs.defects = [""] * len(self.docs.defects)  # no defect at all: nothing for an oracle to drop
+        per_seed = 1 + 5 * len(self.drops) + self.docs.labelled
+        self._total, self._done = per_seed * self.scale.seeds, 0
         for seed in range(self.scale.seeds):
             self._arm("unfiltered", None, seed, np.ones(len(self.docs.texts), bool))
         ppl = self._proxy_scores()
@@ -309,6 +313,7 @@ class Experiment:
             self.docs.write(subset, keep)
         workdir = os.path.join(self.dir, "arms", f"{name}_s{seed}")
         done = os.path.join(workdir, "result.json")
+        self._done += 1
         if os.path.isfile(done):
             return
         tic = time.perf_counter()
@@ -324,8 +329,8 @@ class Experiment:
         _write_json(done, {"method": method, "drop": drop, "seed": seed, "kept": int(keep.sum()),
                            "of": int(len(keep)), "steps": self.steps, "tokens_per_step": self.scale.tokens_per_step,
                            "curve": curve, "seconds": time.perf_counter() - tic})
-        _say(f"arm {name} seed {seed}: kept {int(keep.sum()):,} of {len(keep):,} documents, held-out NLL "
-             f"{curve[-1][1]:.4f} ({time.perf_counter() - tic:.0f} s)")
+        _say(f"[{self._done}/{self._total}] arm {name} seed {seed}: kept {int(keep.sum()):,} of {len(keep):,} "
+             f"documents, held-out NLL {curve[-1][1]:.4f} ({time.perf_counter() - tic:.0f} s)")
 
     def _score(self, fn, params, what: str) -> np.ndarray:
         """`fn(params, batch) -> [batch]` averaged per training document over its first rows (NaN: no token)."""
@@ -400,7 +405,7 @@ class Experiment:
 
         tic = time.perf_counter()
         cfg = self.rater_config()
-        trainer = _fit(Trainer, cfg, "rater")
+        trainer = _fit(Trainer, cfg, "rater", progress=True)
         self._note_flops("rater_training", cfg.steps * program_flops(trainer.program))
         _say(f"rater: {cfg.steps} outer steps, a population of {cfg.population.size} "
              f"({time.perf_counter() - tic:.0f} s)")

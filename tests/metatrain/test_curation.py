@@ -41,7 +41,7 @@ def test_the_experiment_runs_end_to_end_and_continues_after_a_kill(tmp_path):
     # killed in its first arms, then run again to the end
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        if line.startswith("arm unfiltered seed 0"):
+        if "arm unfiltered seed 0" in line:
             proc.kill()
             break
     proc.wait()
@@ -64,7 +64,26 @@ def test_the_experiment_runs_end_to_end_and_continues_after_a_kill(tmp_path):
     assert report["cost_tokens"]["rater"] > 0 and report["cost_tokens"]["ppl"] > report["budget_tokens"]
     assert (tmp_path / "exp" / "report" / "curves.png").stat().st_size > 0
     assert "Best ρ for the rater" in (tmp_path / "exp" / "report" / "report.md").read_text()
+    assert "[14/14] arm oracle seed 1" in done.stderr  # progress: arms done of all
     # the same directory with other settings is refused in one line
     other = subprocess.run(command[:-2] + ["--seeds", "3", "--data", "data"], cwd=tmp_path, capture_output=True,
                            text=True)
     assert other.returncode == 2 and "seeds" in other.stderr.splitlines()[-1]
+
+
+def test_bad_settings_are_refused_in_one_line(tmp_path, capsys):
+    from metatrain import cli
+
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "train.jsonl").write_text('{"text": "a"}\n')
+    for args, expected in (([str(tmp_path / "used")], "is not empty and holds no experiment"),
+                           ([str(tmp_path / "new"), "--data", str(tmp_path / "partial")], "no trusted.jsonl there"),
+                           ([str(tmp_path / "new"), "--budget", "10"], "too small for")):
+        assert cli.main(["experiment", "curation", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+    with pytest.raises(SystemExit):
+        cli.main(["experiment", "curation", str(tmp_path / "new"), "--drop", "0.1,1.5"])
+    assert "each fraction to drop must be in (0, 1), got 1.5" in capsys.readouterr().err
