@@ -37,14 +37,15 @@ def register(sub) -> None:
     kinds = group.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
     p = kinds.add_parser("curation", help="a rater, filters and fresh models at matched tokens: does curation pay?")
     p.add_argument("dir", help="the experiment's directory: new, or an earlier one to continue it")
-    p.add_argument("--drop", type=_drops, default=DROPS,
+    p.add_argument("--drop", type=_drops, default=DROPS, metavar="LIST",
                    help=f"the fractions ρ to drop, comma-separated (default {','.join(f'{d:g}' for d in DROPS)})")
-    p.add_argument("--budget", type=common.positive_int, default=0,
+    p.add_argument("--budget", type=common.positive_int, default=0, metavar="TOKENS",
                    help="training tokens per model (default: the scale's)")
     p.add_argument("--scale", choices=sorted(SCALES), default="tiny",
                    help="tiny: 30 minutes on 2 CPU cores; small: an accelerator; micro: a smoke test")
-    p.add_argument("--seeds", type=common.positive_int, default=0, help="models per arm (default: the scale's)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--seeds", type=common.positive_int, default=0, metavar="N",
+                   help="models per arm (default: the scale's)")
+    p.add_argument("--data", default=None, metavar="DIR",
                    help="a directory with train.jsonl, trusted.jsonl, heldout.jsonl (default: `metatrain data "
                         "make-noisy`'s corpus, made in DIR/data)")
     p.set_defaults(fn=cmd_curation)
