@@ -5,7 +5,8 @@ model; `load_params` reads a pretrained model for `inner.init_from`.
 An export directory holds `params/` (an Orbax checkpoint of the pytree), `export.json` (kind, task, step,
 what, model config, and the Hugging Face config it came from, if any) and the tokenizer files, so
 `nnx.merge(models.abstract_init(cfg)[0], params)` rebuilds the model elsewhere. A LoRA run's models are
-exported merged (W + scale · A B: a plain model), or with `adapters=True` the adapters alone (orbax).
+exported merged (W + scale · A B: a plain model), or with `adapters=True` the adapters alone (orbax, or PEFT's
+format with hf).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ FORMATS = ("orbax", "hf")
 
 def not_written_here(directory: str) -> list[str]:
     """The names in `directory` that no export or import of ours wrote: all that `--overwrite` must not replace.
-    Ours: an `export.json` with a `kind`, an Orbax `params/`, a `model.safetensors` whose metadata names metatrain,
-    and beside one of those, `config.json` and the tokenizer files."""
+    Ours: an `export.json` with a `kind`, an Orbax `params/`, a `model.safetensors` or `adapter_model.safetensors`
+    whose metadata names metatrain, and beside one of those, `config.json`, `adapter_config.json` and the tokenizer
+    files."""
     def is_ours(name):
         path = os.path.join(directory, name)
         if name == "export.json":
@@ -91,14 +93,14 @@ def not_written_here(directory: str) -> list[str]:
         if name == "params":
             return os.path.isfile(os.path.join(path, "_METADATA")) or os.path.isfile(
                 os.path.join(path, "_CHECKPOINT_METADATA"))
-        if name == "model.safetensors":
+        if name in ("model.safetensors", "adapter_model.safetensors"):
             return hf.written_by_metatrain(path)
         return False
 
     names = os.listdir(directory)
     ours = {n for n in names if is_ours(n)}
     if ours:
-        ours |= {n for n in names if n in ("config.json", *hf.TOKENIZER_FILES)}
+        ours |= {n for n in names if n in ("config.json", "adapter_config.json", *hf.TOKENIZER_FILES)}
     return sorted(set(names) - ours)
 
 
@@ -247,7 +249,8 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         what an export or import wrote.
       what: `inner`, `meta` or `baseline`; default inner for hf, meta (a pretrain run: its model) for orbax.
       fmt: `orbax` (an export dir that `inner.init_from` accepts) or `hf` (a Hugging Face model dir).
-      adapters: a LoRA run's adapters alone (orbax only); otherwise they are merged into the base weights.
+      adapters: a LoRA run's adapters alone (orbax: an export dir; hf: PEFT's adapter_model.safetensors and
+        adapter_config.json); otherwise they are merged into the base weights.
       overwrite: replace an earlier export in `out`.
 
     Returns:
@@ -255,14 +258,16 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     """
     if fmt not in FORMATS:
         raise ConfigError(f"export --format: {fmt!r} is not one of {FORMATS}")
-    if adapters and fmt != "orbax":
-        raise ConfigError("export --adapters: adapters alone are written as --format orbax; --format hf merges them")
     src = paths.local(src)
     out = paths.local(out or os.path.join(src, "export" if fmt == "orbax" else "hf"))
     paths.output_dir(out, "export --out", not_written_here, overwrite, source=(src, "the source"))
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
-    if fmt == "hf":
+    if fmt == "hf" and adapters:  # the PEFT format, for the base model the run started from
+        lora, base = info["lora"], info["base"]
+        files = hf.write_adapters(out, _pure(exported.params), lora["rank"], lora["alpha"],
+                                  base.removeprefix(HF_PREFIX) if base.startswith(HF_PREFIX) else base)
+    elif fmt == "hf":
         if exported.model is None:
             raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
                               f"use --format orbax")

@@ -246,6 +246,48 @@ def write(out: str, cfg: ModelConfig, params: dict, base_config: dict | None = N
     return ["config.json", "model.safetensors", *copy_tokenizer(tokenizer_dir, out)]
 
 
+# our LoRA target -> the Hugging Face module it adapts, under model.layers.{i}.
+PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj"}
+
+
+def adapter_tensors(adapters: dict) -> dict[str, np.ndarray]:
+    """A LoRA run's adapters (pure dicts, layer-stacked: A [layers, in..., r], B [layers, r, out...]) as PEFT's
+    tensors: `base_model.model.model.layers.{i}.<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r], the
+    in and out axes flattened as the model's own weights are (so B_w A_w = (A B)ᵀ, the Hugging Face layout)."""
+    out = {}
+    for group in adapters["blocks"].values():
+        for key, a in group.items():
+            if not (key.startswith("lora_") and key.endswith("_a")):
+                continue
+            name = key[len("lora_"):-len("_a")]
+            a, b = np.asarray(a), np.asarray(group[f"lora_{name}_b"])
+            rank = a.shape[-1]
+            for i in range(a.shape[0]):
+                prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
+                out[f"{prefix}.lora_A.weight"] = a[i].reshape(-1, rank).T
+                out[f"{prefix}.lora_B.weight"] = b[i].reshape(rank, -1).T
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}
+
+
+def write_adapters(out: str, adapters: dict, rank: int, alpha: float, base: str) -> list[str]:
+    """`adapter_model.safetensors` + `adapter_config.json`: LoRA adapters in the PEFT format, which
+    `peft.PeftModel.from_pretrained(base_model, out)` loads (scaling alpha / r, as ours); returns the files."""
+    from safetensors.numpy import save_file
+
+    tensors = adapter_tensors(adapters)
+    modules = sorted({name.split(".")[-3] for name in tensors})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": base}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt", "writer": "metatrain"})
+    return ["adapter_config.json", "adapter_model.safetensors"]
+
+
 def written_by_metatrain(path: str) -> bool:
     """Whether the safetensors file at `path` was written by `write` (its metadata says so)."""
     from safetensors import safe_open

@@ -178,7 +178,9 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in --out (never files that metatrain did not write)")
     p.add_argument("--adapters", action="store_true",
-                   help="a LoRA run: write the adapters alone (orbax); without it the model is merged into its base")
+                   help="a LoRA run: write the adapters alone (orbax: an export dir; hf: PEFT's "
+                        "adapter_model.safetensors + adapter_config.json); without it the model is merged into its "
+                        "base")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("import", help="bring a pretrained model in")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")

@@ -200,6 +200,18 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(scorer["embed"]), hf.read(str(directory))[1]["embed"])
     assert saved["lora"]["rank"] == 4 and saved["model"] is None and saved["base"] == f"hf:{directory}"
     assert (tmp_path / "inner" / "tokenizer.json").exists()
+    # the adapters in PEFT's format: peft puts them on the base model, and its logits are the merged model's
+    peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
+    assert cli.main(["export", str(run), "--adapters", "--format", "hf", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(directory)
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
+                                             "down_proj"}
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft"))
+    merged = _logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "inner")), tokens)
+    # float32 both ways: W·x + s·B(A·x) against (W + s·A·B)·x differ by rounding, ~1e-6 at these logit sizes
+    np.testing.assert_allclose(_logits(adapted, tokens), merged, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
