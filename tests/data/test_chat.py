@@ -1,0 +1,107 @@
+"""Chat templates: metatrain's token ids and assistant masks against transformers' apply_chat_template, for a
+ChatML-style and a Llama-3-style template (and ChatML with {% generation %} markers)."""
+
+import random
+
+import pytest
+
+from metatrain.data import chat
+from metatrain.errors import DataError
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_MARKED = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                 "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                 "{% endgeneration %}{{ '\n' }}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + "
+                 "message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+SPECIAL = {"chatml": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+           "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                      "<|eot_id|>"]}
+END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+WORDS = "the quick brown fox jumps over a lazy dog; what is two plus two? four, said the model. résumé".split()
+
+
+def _tokenizer(directory, kind: str, template: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [" ".join(random.Random(i).choices(WORDS + ["system", "user", "assistant", "\n"], k=30)) for i in range(200)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL[kind],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos, eos = (SPECIAL[kind][0], SPECIAL[kind][1]) if kind == "llama3" else (None, "<|im_end|>")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                         chat_template=template).save_pretrained(directory)
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def _conversations(n: int = 20):
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        turns = 1 + i % 4
+        messages = [{"role": "system", "content": "be brief."}] if i % 2 else []
+        for t in range(turns):
+            messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))})
+            if t < turns - 1 or i % 3:  # some end with the user, waiting for the assistant
+                messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))})
+        out.append(messages)
+    return out
+
+
+def _runs(ids, mask, tok):
+    """The decoded texts of the mask's runs of 1s."""
+    runs, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(i)
+        elif current:
+            runs.append(tok.decode(current)), current.clear()
+    return runs + ([tok.decode(current)] if current else [])
+
+
+@pytest.mark.parametrize("kind, template", [("chatml", CHATML), ("llama3", LLAMA3), ("chatml", CHATML_MARKED)],
+                         ids=["chatml", "llama3", "chatml-generation-markers"])
+def test_ids_and_assistant_mask_match_transformers(tmp_path, kind, template):
+    tok = _tokenizer(tmp_path, kind, template)
+    marked = "{% generation %}" in template
+    for messages in _conversations():
+        for add in (False, True):
+            ids, mask = chat.encode(messages, f"hf:{tmp_path}", add_generation_prompt=add)
+            expected = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add, return_dict=True,
+                                               return_assistant_tokens_mask=marked)
+            assert ids == list(expected["input_ids"]), (messages, add)
+            assert len(mask) == len(ids)
+            if marked:
+                assert mask == list(expected["assistant_masks"]), (messages, add)
+            if not add:  # exactly each assistant content and its end-of-turn token
+                contents = [m["content"].strip() + END[kind] for m in messages if m["role"] == "assistant"]
+                assert _runs(ids, mask, tok) == contents, messages
+
+
+def test_without_markers_the_mask_is_the_markers_mask(tmp_path):
+    """The same ChatML template with and without {% generation %} markers: the prefix-rendering mask equals the
+    markers' (and transformers')."""
+    tok = _tokenizer(tmp_path / "marked", "chatml", CHATML_MARKED)
+    _tokenizer(tmp_path / "plain", "chatml", CHATML)
+    for messages in _conversations():
+        plain = chat.encode(messages, f"hf:{tmp_path / 'plain'}")
+        expected = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+        assert plain == (list(expected["input_ids"]), list(expected["assistant_masks"]))
+
+
+def test_bad_conversations_are_one_line(tmp_path):
+    _tokenizer(tmp_path, "chatml", CHATML)
+    for messages, says in (([{"role": "user"}], "message 0 needs a 'role' and a 'content'"),
+                           ([{"role": "robot", "content": "hi"}], "role 'robot'"), ([], "non-empty list")):
+        with pytest.raises(DataError) as e:
+            chat.encode(messages, f"hf:{tmp_path}")
+        assert says in str(e.value) and "\n" not in str(e.value)
