@@ -316,7 +316,8 @@ def load(directory: str, dtype: str = "float32"):
       dtype: the parameters' dtype.
 
     Returns:
-      An NNX model: `model(tokens)` with int tokens [batch, seq] gives logits [batch, seq, vocab].
+      An NNX model: `model(tokens)` with int tokens [batch, seq] gives logits [batch, seq, vocab];
+      `model.generate(prompts, max_new_tokens=N)` new token ids per prompt, stopping at config.json's EOS.
     """
     import jax.numpy as jnp
     from flax import nnx
@@ -326,7 +327,9 @@ def load(directory: str, dtype: str = "float32"):
     cfg, params = read(directory, dtype)
     graphdef, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, _tree_map(jnp.asarray, params))
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    model.eos_token_id = read_config(directory).get("eos_token_id")
+    return model
 
 
 def _tree_map(fn, tree):

@@ -257,6 +257,17 @@ class Transformer(nnx.Module):
             return (pooled @ self.out[...].astype(x.dtype))[:, 0]  # [batch]
         return x @ self.unembedding.astype(x.dtype)  # [batch, seq, vocab]: the loss takes it to float32
 
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
+        """New tokens per prompt (token-id lists), with a KV cache: see `metatrain.generation.generate`. `eos`
+        defaults to the model's own (`eos_token_id`, set by `hf.load`)."""
+        from metatrain.generation import generate
+
+        if self.cfg.head != "lm":
+            raise ValueError("generate: a model with a score head has no next-token logits")
+        return generate(self.cfg, nnx.to_pure_dict(nnx.state(self, nnx.Param)), prompts, max_new_tokens, temperature,
+                        top_k, top_p, seed, getattr(self, "eos_token_id", None) if eos is None else eos)
+
     @property
     def unembedding(self) -> jax.Array:  # [d_model, vocab]
         return self.embed[...].T if self.cfg.tie_embeddings else self.out[...]

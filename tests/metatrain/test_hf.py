@@ -231,3 +231,32 @@ def test_rater_head_starts_from_a_language_model(checkpoints, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(start["embed"]), hf.read(str(directory))[1]["embed"])
     assert np.asarray(start["out"]).shape == (opened.task.meta_model.d_model, 1) and not np.asarray(start["out"]).any()
     assert not opened.task.meta_model.causal and opened.task.meta_model.head == "score"
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_greedy_generation_matches_transformers(checkpoints, name):
+    """40 new tokens for 3 prompts of different lengths in one batch, with the KV cache, against transformers'
+    generate(do_sample=False) on the same left-padded batch: token for token, up to each row's EOS. A row may part
+    from it only at a step where transformers' top-2 logits are within 1e-4 (float32 sums in another order can swap
+    a near-tie); the assertion names the row and step if one does otherwise."""
+    directory, _, _ = checkpoints[name]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    eos = model.config.eos_token_id
+    prompts = [[5, 17, 33, 2, 9, 100, 41, 250, 3], [7, 8], [12, 13, 14, 15, 16]]
+    ours = hf.load(str(directory)).generate(prompts, max_new_tokens=40)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos, output_scores=True, return_dict_in_generate=True)
+    for row, got in enumerate(ours):
+        want = ref.sequences[row, width:].tolist()
+        want = want[:want.index(eos) + 1] if eos in want else want
+        assert got and len(got) <= 40
+        parted = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if parted is None:
+            assert got == want, (name, row)
+        else:
+            top = torch.topk(ref.scores[parted][row], 2).values
+            assert top[0] - top[1] < 1e-4, (name, row, parted, got, want)
