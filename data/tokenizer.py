@@ -41,6 +41,7 @@ class HFTokenizer:
     def __init__(self, directory: str):
         from tokenizers import Tokenizer as Backend
 
+        self.directory = directory
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
             raise ConfigError(f"data.tokenizer: {path} not found; hf:DIR needs a Hugging Face model or metatrain "

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from metatrain.cli import bench, check, data, experiment, run
+from metatrain.cli import bench, check, data, experiment, generate, run
 from metatrain.errors import MetatrainError
 
-GROUPS = (run, check, bench, data, experiment)
+GROUPS = (run, check, bench, data, experiment, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -260,3 +260,24 @@ def test_greedy_generation_matches_transformers(checkpoints, name):
         else:
             top = torch.topk(ref.scores[parted][row], 2).values
             assert top[0] - top[1] < 1e-4, (name, row, parted, got, want)
+
+
+def test_generate_command_prints_the_models_greedy_text(checkpoints, tmp_path, capsys):
+    """`metatrain generate hf:DIR`: the text of `hf.load(DIR).generate` decoded, --stop cuts it, --prompts JSON lines
+    give JSON lines; --chat without a chat template is one line."""
+    from metatrain.data.tokenizer import load_tokenizer
+
+    directory, _, _ = checkpoints["llama-tied-mha"]
+    tok = load_tokenizer(f"hf:{directory}")
+    prompt = "document 3: the blue quick"
+    new = hf.load(str(directory)).generate([tok.encode(prompt, eot=False).tolist()], max_new_tokens=12)[0]
+    text = tok.decode([t for t in new if t != tok.eot])
+    assert cli.main(["generate", f"hf:{directory}", "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n" + json.dumps({"prompt": "the"}) + "\n")
+    assert cli.main(["generate", f"hf:{directory}", "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens",
+                     "12", "--stop", text[3:6]]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and rows[0]["prompt"] == prompt and rows[0]["completion"] == text[:text.index(text[3:6])]
+    assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat"]) == 2
+    one_line_error(capsys.readouterr().err, "no chat template")
