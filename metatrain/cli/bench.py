@@ -153,6 +153,18 @@ def cmd_compile(args) -> int:
     return 0 if r["fits"] is not False else 1
 
 
+def cmd_bench_generate(args) -> int:
+    from metatrain.bench.generation import measure
+
+    r = measure(common.model(args), args.prompt_len, args.new_tokens, args.batch)
+    print(f"{r['params'] / 1e6:,.1f}M parameters, batch {r['batch']}, prompt {r['prompt_len']}, {r['new_tokens']} "
+          f"new tokens: {1e3 * r['seconds_per_token_cached']:.2f} ms/token with the KV cache, "
+          f"{1e3 * r['seconds_per_token_uncached']:.2f} ms/token re-running the sequence: "
+          f"{r['speedup']:.1f}x; same tokens: {r['same_tokens']}")
+    common.write_json(args.json, r)
+    return 0
+
+
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks of the outer step").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("memory", help="ahead-of-time memory per variant")
@@ -187,6 +199,17 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=common.positive_int, default=7, help="interleaved timed rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant after compiling")
     p.set_defaults(fn=cmd_bench_time)
+
+    p = bench.add_parser("generate", help="seconds per new token with the KV cache vs re-running the sequence")
+    p.add_argument("--model", default="44m", help="a preset (random weights), e.g. 44m, tiny")
+    for field, flag in common.MODEL_FLAGS.items():
+        p.add_argument(flag, dest=field, type=common.positive_int, default=None, help=f"override the preset's {field}")
+    common.add_model_option_args(p)
+    p.add_argument("--prompt-len", type=common.positive_int, default=32)
+    p.add_argument("--new-tokens", type=common.positive_int, default=256)
+    p.add_argument("--batch", type=common.positive_int, default=1)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(fn=cmd_bench_generate)
 
     p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology, per variant")
     common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2, model_flags=False)

@@ -122,3 +122,14 @@ def test_rows_of_earlier_versions_resume_under_todays_names(tmp_path):
     assert rows[0] == {"variant": "autodiff+remat", "kept_states": "every_step", "mode": "autodiff"}
     assert rows[1]["variant"] == "mixflow+remat+save+bf16_state+offload_states+offload_moments"
     assert parse_variant(rows[1]["variant"]).name == rows[1]["variant"]
+
+
+def test_bench_generate_checks_the_cache_gives_the_uncached_tokens(tmp_path, capsys):
+    """The two ways of generating give the same greedy tokens (timings are the benchmark's, not checked here)."""
+    out = tmp_path / "gen.json"
+    assert cli.main(["bench", "generate", "--model", "tiny", "--prompt-len", "5", "--new-tokens", "9", "--batch", "2",
+                     "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["same_tokens"] is True and r["new_tokens"] == 9 and r["batch"] == 2
+    assert r["seconds_per_token_cached"] > 0 and r["seconds_per_token_uncached"] > 0
+    assert "ms/token with the KV cache" in capsys.readouterr().out
