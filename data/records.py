@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from metatrain.data.sources import _files, _json_record, _text_of
+from metatrain.data.sources import _files, _text_of, json_record
 from metatrain.errors import DataError
 
 FORMATS = {"jsonl:": "jsonl", "parquet:": "parquet"}
@@ -119,7 +119,7 @@ def _jsonl(paths, mine: Share, text_field: str, id_field: str | None):
                 if not raw:
                     break
                 if raw.strip():
-                    record = _json_record(raw, path, line_no)
+                    record = json_record(raw, path, line_no)
                     text = _text_of(record, text_field, f"{path}:{line_no}")
                     doc_id = None
                     if id_field is not None:

@@ -65,7 +65,7 @@ class JsonLines:
                     start, offset = offset, offset + len(raw)
                     if not raw.strip():
                         continue
-                    record = _json_record(raw, path, line_no)
+                    record = json_record(raw, path, line_no)
                     _text_of(record, text_field, f"{path}:{line_no}")
                     given = record.get(id_field)
                     ids.append(given if given is not None else
@@ -89,7 +89,8 @@ class JsonLines:
         return self.ids[int(i)]
 
 
-def _json_record(raw: bytes, path: str, line_no: int) -> dict:
+def json_record(raw: bytes, path: str, line_no: int) -> dict:
+    """One JSONL line as a dict; anything else is one line naming the file and line."""
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

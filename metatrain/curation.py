@@ -116,17 +116,15 @@ class Documents:
 
     @classmethod
     def read(cls, path: str) -> Documents:
+        from metatrain.data.sources import json_record
+
         lines, texts, defects = [], [], []
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not a JSON object ({e.msg}); each line must be a JSON record with "
-                                      "a text field") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                record = json_record(raw, path, n)
+                if not isinstance(record.get("text"), str):
                     raise ConfigError(f"{path}:{n}: a record needs a string field 'text'")
                 lines.append(raw if raw.endswith(b"\n") else raw + b"\n")
                 texts.append(record["text"])

@@ -42,15 +42,14 @@ def _prompts(args) -> list:
     if args.prompt is not None:
         return [args.prompt]
     out = []
-    with open(args.prompts) as f:
+    from metatrain.data.sources import json_record
+
+    with open(args.prompts, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{args.prompts}:{n}: not a JSON object ({e.msg})") from None
-            value = record.get("messages", record.get("prompt")) if isinstance(record, dict) else None
+            record = json_record(line, args.prompts, n)
+            value = record.get("messages", record.get("prompt"))
             if not isinstance(value, (str, list)):
                 raise DataError(f"{args.prompts}:{n}: give a 'prompt' (text) or 'messages' (a conversation)")
             out.append(value)
