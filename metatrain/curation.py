@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from metatrain import paths
 from metatrain.errors import ConfigError
 
 METHODS = ("unfiltered", "rater", "random", "ppl_low", "ppl_mid", "ppl_high", "oracle")
@@ -86,18 +87,6 @@ SCALES = {
 
 
 # ---- the work dir ------------------------------------------------------------------------------
-def _write_json(path: str, payload) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _read_json(path: str):
-    with open(path) as f:
-        return json.load(f)
-
-
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -247,14 +236,16 @@ class Experiment:
                 self._arm("oracle", None, seed, np.asarray([d == "none" for d in self.docs.defects]))
         report = self.report(rater)
         report["seconds_this_call"] = time.perf_counter() - tic
-        _write_json(os.path.join(self.dir, "report", "report.json"), report)
+        paths.write_json(os.path.join(self.dir, "report", "report.json"), report)
         return report
 
     def _claim(self) -> None:
+        from metatrain.data.sources import read_json
+
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, "experiment.json")
         if os.path.isfile(path):
-            saved = _read_json(path)
+            saved = read_json(path, "experiment settings file")
             if saved != self.settings:
                 diff = next(k for k in self.settings if saved.get(k) != self.settings[k])
                 raise ConfigError(f"{self.dir} holds an experiment with {diff} {saved.get(diff)!r}, not "
@@ -263,20 +254,22 @@ class Experiment:
         elif os.listdir(self.dir):
             raise ConfigError(f"{self.dir} is not empty and holds no experiment; give a new directory")
         else:
-            _write_json(path, self.settings)
+            paths.write_json(path, self.settings)
 
     def _setup_jax(self) -> None:
         import jax
+
+        from metatrain.data.sources import read_json
 
         # every arm compiles the same programs: compiled once, read back from disk after
         jax.config.update("jax_compilation_cache_dir", os.path.join(self.dir, ".compile_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self._flops_path = os.path.join(self.dir, "flops.json")
-        self.flops = _read_json(self._flops_path) if os.path.isfile(self._flops_path) else {}
+        self.flops = read_json(self._flops_path, "FLOPs file") if os.path.isfile(self._flops_path) else {}
 
     def _note_flops(self, key: str, value: float) -> None:
         self.flops[key] = value
-        _write_json(self._flops_path, self.flops)
+        paths.write_json(self._flops_path, self.flops)
 
     def _make_data(self) -> None:
         if self.settings["data"] or os.path.isfile(os.path.join(self.data, "manifest.json")):
@@ -324,7 +317,7 @@ class Experiment:
         if method == "unfiltered" and seed == 0:
             self._proxy = trainer
         curve = _curve(workdir)
-        _write_json(done, {"method": method, "drop": drop, "seed": seed, "kept": int(keep.sum()),
+        paths.write_json(done, {"method": method, "drop": drop, "seed": seed, "kept": int(keep.sum()),
                            "of": int(len(keep)), "steps": self.steps, "tokens_per_step": self.scale.tokens_per_step,
                            "curve": curve, "seconds": time.perf_counter() - tic})
         _say(f"[{self._done}/{self._total}] arm {name} seed {seed}: kept {int(keep.sum()):,} of {len(keep):,} "

@@ -16,7 +16,9 @@ import os
 
 import numpy as np
 
-from metatrain.curation import METHODS, _read_json, _write_json, arm_name
+from metatrain.curation import METHODS, arm_name
+from metatrain.data.sources import read_json
+from metatrain.paths import write_json
 
 
 def tokens_to_reach(tokens: np.ndarray, nll: np.ndarray, target: float) -> float:
@@ -33,7 +35,7 @@ def tokens_to_reach(tokens: np.ndarray, nll: np.ndarray, target: float) -> float
 def _arms(directory: str) -> dict[tuple[str, float | None], list[dict]]:
     out: dict = {}
     for path in sorted(glob.glob(os.path.join(directory, "arms", "*", "result.json"))):
-        r = _read_json(path)
+        r = read_json(path, "arm result")
         out.setdefault((r["method"], r["drop"]), []).append(r)
     return out
 
@@ -70,7 +72,7 @@ def write(exp, rater: np.ndarray) -> dict:
               "budget_tokens": budget, "target_nll": target, "flops": exp.flops,
               "flops_per_training_token": per_token, "cost_tokens": cost, "arms": rows, "curves": curves,
               "defects": _defects(exp, rater), "best": _best(rows)}
-    _write_json(os.path.join(out_dir, "report.json"), report)
+    write_json(os.path.join(out_dir, "report.json"), report)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(markdown(report))
     plot(report, os.path.join(out_dir, "curves.png"))

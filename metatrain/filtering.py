@@ -260,7 +260,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
         score_file = os.path.join(staging, f"scores-{part:05d}.bin")
         docs, tokens = _score_pass(run, kind, files, mine, run.cfg.data.text_field, score_file, score_batch,
                                    max_rows, show=main)
-        _write_json(os.path.join(staging, f"count-{part:05d}.json"), {"documents": docs, "tokens": tokens})
+        paths.write_json(os.path.join(staging, f"count-{part:05d}.json"), {"documents": docs, "tokens": tokens})
         distributed.barrier("filter:scored")
         all_scores = AllScores([os.path.join(staging, f"scores-{k:05d}.bin") for k in range(parts)])
         if all_scores.total == 0:
@@ -281,14 +281,14 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
             kept_tokens += int(all_scores.slice(lo, hi)["tokens"][decided].sum())
         keep.flush()
         name = _write_pass(kind, files, mine, keep, out, part, run.cfg.data.text_field) if kept_docs else None
-        _write_json(os.path.join(staging, f"kept-{part:05d}.json"),
+        paths.write_json(os.path.join(staging, f"kept-{part:05d}.json"),
                     {"documents": kept_docs, "tokens": kept_tokens, "output": name})
         distributed.barrier("filter:written")
         manifest = _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, parts, sample,
                              cdf_sample, time.perf_counter() - tic)
         distributed.barrier("filter:read")
         if main:
-            _write_json(os.path.join(out, "manifest.json"), manifest)
+            paths.write_json(os.path.join(out, "manifest.json"), manifest)
             shutil.rmtree(staging)
         return manifest
     except (MetatrainError, KeyboardInterrupt):
@@ -319,10 +319,3 @@ def _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, pa
             "score_quantiles": {str(q): float(np.quantile(sample, q)) for q in QUANTILES},
             "outputs": [k["output"] for k in kept if k["output"]], "processes": parts, "seconds": seconds,
             "documents_per_second": n_in / max(seconds, 1e-9)}
-
-
-def _write_json(path: str, payload: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)

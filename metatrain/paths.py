@@ -7,6 +7,7 @@ URL-style paths (`gs://...`) are left as they are.
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -68,3 +69,11 @@ def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: t
         raise ConfigError(f"{flag}: {path} holds files metatrain did not write ({', '.join(others[:3])}); give a "
                           "new directory")
     return path
+
+
+def write_json(path: str, payload) -> None:
+    """`payload` as JSON at `path`, through a temporary file: an interruption never leaves half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)

@@ -69,10 +69,9 @@ def write_json(path, payload, quiet: bool = False) -> None:
     """Writes `payload` to `path` (nothing without a path) through a temporary file, so an interruption never
     leaves half a file."""
     if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, path)
+        from metatrain import paths
+
+        paths.write_json(path, payload)
         if not quiet:
             print(f"wrote {path}")
 
