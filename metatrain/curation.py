@@ -234,9 +234,7 @@ class Experiment:
         if self.docs.labelled:
             for seed in range(self.scale.seeds):
                 self._arm("oracle", None, seed, np.asarray([d == "none" for d in self.docs.defects]))
-        report = self.report(rater)
-        report["seconds_this_call"] = time.perf_counter() - tic
-        paths.write_json(os.path.join(self.dir, "report", "report.json"), report)
+        report = self.report(rater, seconds=time.perf_counter() - tic)
         return report
 
     def _claim(self) -> None:
@@ -433,10 +431,10 @@ class Experiment:
                 "ppl_high": first(high[:k])}
 
     # -- the report --
-    def report(self, rater: np.ndarray) -> dict:
+    def report(self, rater: np.ndarray, seconds: float) -> dict:
         from metatrain import curation_report
 
-        return curation_report.write(self, rater)
+        return curation_report.write(self, rater, seconds)
 
 
 @dataclasses.dataclass

@@ -40,8 +40,9 @@ def _arms(directory: str) -> dict[tuple[str, float | None], list[dict]]:
     return out
 
 
-def write(exp, rater: np.ndarray) -> dict:
-    """Compute the report of a finished experiment `exp` (`curation.Experiment`), write DIR/report/ and return it."""
+def write(exp, rater: np.ndarray, seconds: float) -> dict:
+    """Compute the report of a finished experiment `exp` (`curation.Experiment`), write DIR/report/ and return it
+    (`seconds`: what this call of the experiment took up to the report)."""
     s = exp.scale
     out_dir = os.path.join(exp.dir, "report")
     os.makedirs(out_dir, exist_ok=True)
@@ -71,7 +72,7 @@ def write(exp, rater: np.ndarray) -> dict:
     report = {"settings": exp.settings, "scale": {k: getattr(s, k) for k in s.__dataclass_fields__},
               "budget_tokens": budget, "target_nll": target, "flops": exp.flops,
               "flops_per_training_token": per_token, "cost_tokens": cost, "arms": rows, "curves": curves,
-              "defects": _defects(exp, rater), "best": _best(rows)}
+              "defects": _defects(exp, rater), "best": _best(rows), "seconds_this_call": seconds}
     write_json(os.path.join(out_dir, "report.json"), report)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(markdown(report))
