@@ -17,20 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from metatrain.models import ModelConfig
-from metatrain.models.transformer import compute_dtype, rope, rope_frequencies
-
-
-def _norm(x, scale, eps):
-    x32 = x.astype(compute_dtype(x.dtype))
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(y.dtype)).astype(x.dtype)
+from metatrain.models.transformer import compute_dtype, rms_norm, rope, rope_frequencies
 
 
 def _layer(cfg: ModelConfig, x, p, k_cache, v_cache, positions, write_at, visible):
     """One block over new tokens x [B, S, D] at `positions` [B, S], their keys and values written into the
     layer's cache [B, T, G, K] at slot `write_at`; `visible` [B, S, T]: which cache slots each new token sees."""
     a = p["attn"]
-    h = _norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
+    h = rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
 
     def project(name):
         y = jnp.einsum("bsd,dhk->bshk", h, a["w" + name].astype(h.dtype))
@@ -49,7 +43,7 @@ def _layer(cfg: ModelConfig, x, p, k_cache, v_cache, positions, write_at, visibl
     out = jnp.einsum("bhqs,bshk->bqhk", probs, values)
     x = x + jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), a["wo"].astype(x.dtype))
     m = p["mlp"]
-    h = _norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
+    h = rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
     up = h @ m["w_in"].astype(h.dtype)
     up = jax.nn.silu(h @ m["w_gate"].astype(h.dtype)) * up if cfg.mlp == "swiglu" else jax.nn.gelu(up)
     return x + up @ m["w_out"].astype(h.dtype), k_cache, v_cache
@@ -65,7 +59,7 @@ def _forward(cfg: ModelConfig, params, tokens, positions, cache, write_at, visib
         return x, (kc, vc)
 
     x, cache = jax.lax.scan(body, x, (params["blocks"], *cache))
-    x = _norm(x[:, -1], params["final_norm"]["scale"], cfg.norm_eps)
+    x = rms_norm(x[:, -1], params["final_norm"]["scale"], cfg.norm_eps)
     w = params["embed"].T if cfg.tie_embeddings else params["out"]
     return (x @ w.astype(x.dtype)).astype(jnp.float32), cache
 

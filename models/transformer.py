@@ -35,9 +35,14 @@ class RMSNorm(nnx.Module):
         self.eps = cfg.norm_eps
 
     def __call__(self, x):  # [..., d_model]
-        x32 = x.astype(compute_dtype(x.dtype))
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(y.dtype)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    """x / RMS(x) · scale over the last axis, in at least float32, returned in x's dtype."""
+    x32 = x.astype(compute_dtype(x.dtype))
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(y.dtype)).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig, dtype) -> jax.Array:
