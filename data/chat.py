@@ -160,14 +160,16 @@ class ChatTemplate:
             spans.append([len(head), end])
         return text, spans
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = False,
-               where: str = "") -> tuple[list[int], list[int]]:
-        """(token ids, assistant mask) of a conversation, each a list of the same length."""
+    def encode(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "",
+               skip_turns: int = 0) -> tuple[list[int], list[int]]:
+        """(token ids, assistant mask) of a conversation, each a list of the same length; the mask leaves out the
+        first `skip_turns` assistant turns (a prompt's, before its completion)."""
         if add_generation_prompt:
             text, spans = self.render(messages, True, where)
             spans = spans if self.marked else []
         else:
             text, spans = self.assistant_spans(messages, where)
+        spans = spans[skip_turns:]
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         mask = [int(any(end > s and start < e for s, e in spans)) for start, end in encoding.offsets]
         return list(encoding.ids), mask

@@ -25,12 +25,14 @@ from typing import Any
 import grain
 import numpy as np
 
+from metatrain.data.formats import FORMATS, TRAIN_ON, Encoder, Fields
 from metatrain.data.sources import Tfds, open_source
 from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
 from metatrain.errors import ConfigError, DataError
 
-SEQ_FEATURES = ("tokens", "corrupted", "doc")
+SEQ_FEATURES = ("tokens", "loss_mask", "corrupted", "doc")
 DEVICE_FEATURES = ("tokens", "segment_ids", "positions", "corrupted")  # what the outer step reads; not `doc`
+MASKED = ("chat", "prompt_completion")  # formats whose loss mask is not all ones: the step reads `loss_mask` too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,11 @@ class DataConfig:
     source: str = "builtin"  # builtin | tfds:NAME | jsonl:PATH | parquet:PATH | dir:PATH | hf-disk:PATH (see sources)
     outer_source: str = ""  # a trusted set for the outer (validation) loss; default: 1 in outer_every of `source`
     eval_source: str = ""  # a clean set every evaluation reads in full; default: the validation share (see outer_every)
+    format: str = ""  # text | chat | prompt_completion (see formats); "" = read off each source's first record
     text_field: str = "text"  # jsonl / parquet / hf-disk: the field holding a document's text
+    messages_field: str = "messages"  # ... and a conversation's messages (format chat)
+    chat_template: str = ""  # a Jinja chat template file; default: the tokenizer's (chat_template in hf:DIR)
+    train_on: str = "assistant"  # chat, prompt_completion: the loss on the assistant's tokens only, or on all
     id_field: str = "id"  # ... and its id (when absent: the line or row number)
     data_dir: str | None = None  # TFDS data dir (default: TFDS's own); may be a gs:// path
     split: str = "train"  # the TFDS split, or a saved DatasetDict's split (hf-disk:)
@@ -61,6 +67,11 @@ class DataConfig:
             raise ConfigError(f"data.shards must be >= 0 (0 = one per process), got {self.shards}")
         if self.outer_every < 2:
             raise ConfigError(f"data.outer_every must be >= 2 (1 in k documents is held out), got {self.outer_every}")
+        if self.format not in ("", *FORMATS):
+            raise ConfigError(f"data.format must be one of {', '.join(FORMATS)} (or unset: read off the records), "
+                              f"got {self.format!r}")
+        if self.train_on not in TRAIN_ON:
+            raise ConfigError(f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
             raise ConfigError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
         for name in ("source", "outer_source", "eval_source"):
@@ -68,6 +79,11 @@ class DataConfig:
             kind = spec.partition(":")[0] + ":"
             if kind in ("jsonl:", "parquet:", "dir:", "hf-disk:") and not spec[len(kind):].strip():
                 raise ConfigError(f"data.{name}: {spec!r} names no path; write {kind}PATH")
+
+
+def device_features(cfg: DataConfig) -> tuple[str, ...]:
+    """The batch fields the outer step reads: DEVICE_FEATURES, and `loss_mask` for conversations."""
+    return DEVICE_FEATURES + ("loss_mask",) * (cfg.format in MASKED)
 
 
 class Subset:
@@ -87,7 +103,18 @@ class Subset:
 def document_source(cfg: DataConfig, spec: str | None = None):
     """The random-access documents of `data.source` (or of `spec`, e.g. `data.outer_source`): see `sources`."""
     return open_source(cfg.source if spec is None else spec, split=cfg.split, data_dir=cfg.data_dir,
-                       text_field=cfg.text_field, id_field=cfg.id_field)
+                       text_field=cfg.text_field, id_field=cfg.id_field, format=cfg.format,
+                       messages_field=cfg.messages_field)
+
+
+def fields(cfg: DataConfig) -> Fields:
+    """Where the records keep their documents: `data.format` and the field names."""
+    return Fields(cfg.format, cfg.text_field, cfg.messages_field)
+
+
+def encoder(cfg: DataConfig, tok: Tokenizer) -> Encoder:
+    """Documents → (token ids, loss mask), as `data.train_on`, `data.chat_template` and `data.messages_field` say."""
+    return Encoder(tok, cfg.train_on, cfg.chat_template, cfg.messages_field)
 
 
 def split_ids(n_docs: int, outer_every: int, with_outer: bool = True,
@@ -103,18 +130,27 @@ def split_ids(n_docs: int, outer_every: int, with_outer: bool = True,
     return ids[~outer & ~test], ids[outer], ids[test]
 
 
-def _encoder(tok: Tokenizer, corrupt_fraction: float, seed: int):
-    def encode(item):
-        doc, text = item
-        tokens = tok.encode(text)
+def where(docs, i: int) -> str:
+    """Document i of `docs` named for a message: its file and line or row (a plain sequence: its index)."""
+    return docs.where(i) if hasattr(docs, "where") else f"document {i}"
+
+
+def _encoder(docs, encode: Encoder, corrupt_fraction: float, seed: int):
+    def encode_doc(item):
+        doc, value = item
+        tokens, mask = encode(value, where(docs, doc))
         rng = np.random.default_rng([seed, doc])
         corrupted = corrupt_fraction > 0 and rng.random() < corrupt_fraction
         if corrupted:  # same tokens, order destroyed: only a model that reads order can tell
-            tokens[:-1] = rng.permutation(tokens[:-1])
-        return {"tokens": tokens, "corrupted": np.full(tokens.shape, corrupted, np.int32),
+            if isinstance(value, str):
+                tokens[:-1] = rng.permutation(tokens[:-1])
+            else:  # the trained-on tokens (the assistant's) among themselves
+                at = np.flatnonzero(mask)
+                tokens[at] = rng.permutation(tokens[at])
+        return {"tokens": tokens, "loss_mask": mask, "corrupted": np.full(tokens.shape, corrupted, np.int32),
                 "doc": np.full(tokens.shape, doc, np.int32)}
 
-    return encode
+    return encode_doc
 
 
 def main_doc(docs: np.ndarray) -> int:
@@ -124,13 +160,15 @@ def main_doc(docs: np.ndarray) -> int:
 
 
 def _finish(row: dict) -> dict:
+    trained = row["loss_mask"] * (row["tokens_segment_ids"] > 0)  # the row's tokens the loss reads
     return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"],
-            "positions": row["tokens_positions"],
-            "corrupted": (row["corrupted"].mean(-1) > 0.5).astype(np.int32),  # per example
+            "positions": row["tokens_positions"], "loss_mask": row["loss_mask"],
+            # per example: most of the tokens trained on come from corrupted documents
+            "corrupted": np.int32((row["corrupted"] * trained).sum() > 0.5 * max(trained.sum(), 1)),
             "doc": np.int32(main_doc(row["doc"]))}  # per example: an index into the source
 
 
-def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, corrupt_fraction: float = 0.0,
+def stream(docs, ids, encode: Encoder, *, seq_len: int, batch: int, seed: int, corrupt_fraction: float = 0.0,
            process_index: int = 0, process_count: int = 1, shuffle_window: int = 2048) -> grain.IterDataset:
     """Packed, batched rows [batch, seq_len+1] from this process's shard of the documents `ids`.
 
@@ -142,7 +180,7 @@ def stream(docs, ids, tok: Tokenizer, *, seq_len: int, batch: int, seed: int, co
     # sources, possibly remote, keep a few reader threads
     threads = 4 if isinstance(docs, Tfds) else 0
     read = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=64 if threads else 1)
-    ds = ds.shuffle(seed=seed).repeat().map(_encoder(tok, corrupt_fraction, seed)).to_iter_dataset(read)
+    ds = ds.shuffle(seed=seed).repeat().map(_encoder(docs, encode, corrupt_fraction, seed)).to_iter_dataset(read)
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={f: seq_len + 1 for f in SEQ_FEATURES})
     if shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
@@ -182,18 +220,20 @@ class _Checkpointable:
         pass
 
 
-def _check_fills_a_batch(name: str, docs, ids, tok: Tokenizer, cfg: DataConfig, n_shards: int, say: bool) -> None:
-    """Packing repeats a stream's documents forever: refuse documents with no text at all, and (`say`) warn when
-    one shard's documents do not fill one batch (batch / shards rows of seq_len+1 tokens), since every batch then
-    repeats the same text."""
+def _check_fills_a_batch(name: str, docs, ids, encode: Encoder, cfg: DataConfig, n_shards: int, say: bool) -> None:
+    """Packing repeats a stream's documents forever: refuse documents with nothing to train on, and (`say`) warn
+    when one shard's documents do not fill one batch (batch / shards rows of seq_len+1 tokens), since every batch
+    then repeats the same text. Encoding the first documents also finds a bad record or chat template here."""
     need = cfg.batch // n_shards * (cfg.seq_len + 1)
-    have = text = 0
+    have = trained = 0
     for i in ids:
-        tokens = len(tok.encode(docs[int(i)], eot=False))
-        have, text = have + tokens + 1, text + tokens  # + the end-of-text token packing adds
-        if have >= need and text:
+        doc = docs[int(i)]
+        tokens, mask = encode(doc, where(docs, int(i)))
+        # text: the end-of-text token packing adds is not text
+        have, trained = have + len(tokens), trained + int(mask.sum()) - isinstance(doc, str)
+        if have >= need and trained:
             return
-    if not text:  # packing would spin on end-of-text tokens alone
+    if not trained:  # packing would spin on end-of-text tokens alone
         raise DataError(f"the {name} stream's {len(ids)} document(s) per data shard hold no text (every document is "
                         "empty); check data.text_field and the source's records")
     if say:
@@ -239,6 +279,7 @@ class Streams:
             self.validation_ids = np.arange(len(self.eval_docs))
         else:
             self.eval_docs = self.trusted
+        self.encode = encoder(cfg, self.tokenizer)
         outer_name = cfg.outer_source or cfg.source
         for name, ids, source in (("inner", inner_ids, cfg.source), ("outer", outer_ids, outer_name),
                                   ("held-out", self.held_out_ids, cfg.source),
@@ -252,11 +293,20 @@ class Streams:
                             shuffle_window=cfg.shuffle_window)
         for name, source, ids in (("inner", docs, inner_ids), ("outer", self.trusted, outer_ids),
                                   ("validation", self.eval_docs, self.validation_ids)):
-            _check_fills_a_batch(name, source, ids[::n_shards], self.tokenizer, cfg, n_shards, process_index == 0)
-        self.inner = [iter(stream(docs, inner_ids, self.tokenizer, seed=cfg.seed, corrupt_fraction=cfg.corrupt_fraction,
-                                  process_index=k, **self._common).batch(cfg.inner_steps)) for k in self._shards]
-        self.outer = [iter(stream(self.trusted, outer_ids, self.tokenizer, seed=cfg.seed + 1, process_index=k,
-                                  **self._common)) for k in self._shards]
+            _check_fills_a_batch(name, source, ids[::n_shards], self.encode, cfg, n_shards,
+                                 process_index == 0)
+        self.inner = [iter(stream(docs, inner_ids, self.encode, seed=cfg.seed,
+                                  corrupt_fraction=cfg.corrupt_fraction, process_index=k,
+                                  **self._common).batch(cfg.inner_steps)) for k in self._shards]
+        self.outer = [iter(stream(self.trusted, outer_ids, self.encode, seed=cfg.seed + 1,
+                                  process_index=k, **self._common)) for k in self._shards]
+
+    @property
+    def format(self) -> str:
+        """The sources' format: `text` when every one is text, else the first conversation format among them (the
+        step then reads each batch's `loss_mask`)."""
+        formats = [d.fields.format for d in (self.docs, self.trusted, self.eval_docs)]
+        return next((f for f in formats if f in MASKED), "text")
 
     def next(self) -> tuple[dict, dict]:
         """(inner batches [T, batch, seq+1], outer batch [batch, seq+1]) for one outer step; `doc` holds each
@@ -270,7 +320,7 @@ class Streams:
         source's held-out share: the same as validation without an outer or evaluation source); `data.eval_source`,
         when given, is the validation set, all of it."""
         docs, ids = (self.eval_docs, self.validation_ids) if of == "validation" else (self.docs, self.held_out_ids)
-        its = [iter(stream(docs, ids, self.tokenizer, seed=seed, corrupt_fraction=corrupt_fraction,
+        its = [iter(stream(docs, ids, self.encode, seed=seed, corrupt_fraction=corrupt_fraction,
                            process_index=k, **self._common)) for k in self._shards]
         for _ in range(n):
             yield _concat([next(it) for it in its], 0)

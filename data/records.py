@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from metatrain.data.sources import _files, _text_of, json_record
+from metatrain.data.formats import Fields
+from metatrain.data.sources import _files, json_record
 from metatrain.errors import DataError
 
 FORMATS = {"jsonl:": "jsonl", "parquet:": "parquet"}
@@ -25,10 +26,11 @@ FORMATS = {"jsonl:": "jsonl", "parquet:": "parquet"}
 class Record:
     file: int  # the file's number among the input's (sorted) files
     offset: int  # JSONL: the line's byte offset; Parquet: the row's number in its file
-    text: str
+    doc: object  # the document: text, a message list, or {"prompt", "completion"} (see formats)
     raw: bytes | None  # JSONL: the line as read (written back unchanged); Parquet: None
     id: object = None  # the id field's value, else the line number (JSONL; file:line with several files) or the
     # row number over all files (Parquet), as `data.source` numbers documents; None unless asked for
+    where: str = ""  # the file and line or row, for messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,17 +94,17 @@ def share(kind: str, paths: list[str], part: int, parts: int) -> Share:
     return Share(tuple(spans), hi - lo)
 
 
-def read(kind: str, paths: list[str], mine: Share, text_field: str, id_field: str | None = None
+def read(kind: str, paths: list[str], mine: Share, fields: Fields, id_field: str | None = None
          ) -> Iterator[tuple[Record, int]]:
     """The share's records in input order, each with how far the reader got (bytes or rows, for progress); with
-    `id_field` each record's id."""
+    `id_field` each record's id. `fields` without a format: the first record's (see `formats`)."""
     if kind == "parquet":
-        yield from _parquet(paths, mine, text_field, id_field)
+        yield from _parquet(paths, mine, fields, id_field)
     else:
-        yield from _jsonl(paths, mine, text_field, id_field)
+        yield from _jsonl(paths, mine, fields, id_field)
 
 
-def _jsonl(paths, mine: Share, text_field: str, id_field: str | None):
+def _jsonl(paths, mine: Share, fields: Fields, id_field: str | None):
     done = 0
     for k, start, end in mine.spans:
         path = paths[k]
@@ -119,14 +121,15 @@ def _jsonl(paths, mine: Share, text_field: str, id_field: str | None):
                 if not raw:
                     break
                 if raw.strip():
-                    record = json_record(raw, path, line_no)
-                    text = _text_of(record, text_field, f"{path}:{line_no}")
+                    record, where = json_record(raw, path, line_no), f"{path}:{line_no}"
+                    fields = fields.detect(record, where)
+                    doc = fields.value(record, where)
                     doc_id = None
                     if id_field is not None:
                         doc_id = record.get(id_field)
                         if doc_id is None:
                             doc_id = line_no if len(paths) == 1 else f"{os.path.basename(path)}:{line_no}"
-                    yield Record(k, offset, text, raw, doc_id), done + min(offset + len(raw), end) - start
+                    yield Record(k, offset, doc, raw, doc_id, where), done + min(offset + len(raw), end) - start
                 offset += len(raw)
                 line_no += 1
         done += end - start
@@ -138,28 +141,40 @@ def _line_number(path: str, offset: int) -> int:
         return f.read(offset).count(b"\n") + 1
 
 
-def _parquet(paths, mine: Share, text_field: str, id_field: str | None):
+def _parquet(paths, mine: Share, fields: Fields, id_field: str | None):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from metatrain.data.sources import _placeholder
 
     done, opened = 0, {}
     before = np.cumsum([0] + [pq.ParquetFile(p).metadata.num_rows for p in paths])  # rows of the earlier files
     for k, g in mine.spans:
         pf = opened.get(k) or opened.setdefault(k, pq.ParquetFile(paths[k]))
-        if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{paths[k]}: no column {text_field!r} (columns: {pf.schema_arrow.names[:8]}); name the "
-                            "text column with data.text_field")
+        schema = pf.schema_arrow
+        fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, paths[k])
+        columns = fields.columns()
+        for column in columns:
+            if column not in schema.names:
+                raise DataError(f"{paths[k]}: no column {column!r} (columns: {schema.names[:8]}); name the "
+                                f"{'text' if fields.format == 'text' else 'messages'} column with "
+                                f"data.{'text' if fields.format == 'text' else 'messages'}_field")
         first = sum(pf.metadata.row_group(i).num_rows for i in range(g))
-        with_ids = id_field is not None and id_field in pf.schema_arrow.names
-        group = pf.read_row_group(g, columns=[text_field] + ([id_field] if with_ids else []))
-        column = group.column(text_field)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise DataError(f"{paths[k]}: column {text_field!r} is {column.type}, not text")
+        with_ids = id_field is not None and id_field in schema.names
+        group = pf.read_row_group(g, columns=columns + ([id_field] if with_ids else []))
+        if fields.format == "text":
+            column = group.column(fields.text_field)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise DataError(f"{paths[k]}: column {fields.text_field!r} is {column.type}, not text")
+        values = {c: group.column(c).to_pylist() for c in columns}
         ids = group.column(id_field).to_pylist() if with_ids else [None] * group.num_rows
-        for i, (text, doc_id) in enumerate(zip(column.to_pylist(), ids)):
-            if text is None:
-                raise DataError(f"{paths[k]}: row {first + i}: column {text_field!r} is null, not text")
+        for i, doc_id in enumerate(ids):
+            where = f"{paths[k]}: row {first + i}"
+            record = {c: v[i] for c, v in values.items()}
+            if fields.format == "text" and record[fields.text_field] is None:
+                raise DataError(f"{where}: column {fields.text_field!r} is null, not text")
+            doc = fields.value(record, where)
             if id_field is not None and doc_id is None:
                 doc_id = int(before[k]) + first + i
             done += 1
-            yield Record(k, first + i, text, None, doc_id), done
+            yield Record(k, first + i, doc, None, doc_id, where), done

@@ -9,10 +9,11 @@
     dir:PATH         a directory of text files, one document per file (walked recursively, sorted)
     hf-disk:PATH     a Hugging Face `datasets` dataset saved with `save_to_disk` (read from its Arrow files)
 
-Every source has `len`, `source[i] -> str` and `source.doc_id(i)`: the user's id (`data.id_field` when the
-records have it; else the line / row number, or the file's path relative to the dir), so learned weights map
-back to documents. Problems (a missing path, no documents, a missing field, a record that is not text) are
-one-line `DataError`s naming the source and the record.
+Every source has `len`, `source[i]` and `source.doc_id(i)`: the user's id (`data.id_field` when the records have
+it; else the line / row number, or the file's path relative to the dir), so learned weights map back to
+documents. `source[i]` is text, or for JSON lines and tables of conversations (`data.format`, see `formats`) a
+message list or a prompt and completion. Problems (a missing path, no documents, a missing field, a record that
+is not a document) are one-line `DataError`s naming the source and the record.
 """
 
 from __future__ import annotations
@@ -25,12 +26,23 @@ import sys
 import numpy as np
 
 from metatrain.data.corpus import FileDocuments, builtin_corpus_files
-from metatrain.errors import DataError
+from metatrain.data.formats import PAIR, Fields
+from metatrain.errors import ConfigError, DataError
 
 KINDS = ("builtin", "tfds:", "jsonl:", "parquet:", "dir:", "hf-disk:")
 
 
-class Indexed:
+class Plain:
+    """A source of plain text (files, TFDS): its documents are text; `where(i)` names document i."""
+
+    fields = Fields("text")
+
+    def where(self, i: int) -> str:
+        files = getattr(self, "files", None)
+        return files[int(i)] if files is not None else f"document {self.doc_id(i)}"
+
+
+class Indexed(Plain):
     """Document i is its index; the base of the sources without ids of their own."""
 
     def doc_id(self, i: int):
@@ -54,9 +66,9 @@ def _files(kind: str, pattern: str) -> list[str]:
 class JsonLines:
     """JSON lines, read on demand: one pass at open validates every record and keeps byte offsets and ids."""
 
-    def __init__(self, pattern: str, text_field: str, id_field: str):
-        self.files, self.text_field = _files("jsonl", pattern), text_field
-        file_index, offsets, ids = [], [], []
+    def __init__(self, pattern: str, fields: Fields, id_field: str):
+        self.files, self.fields = _files("jsonl", pattern), fields
+        file_index, offsets, lines, ids = [], [], [], []
         for k, path in enumerate(self.files):
             with open(path, "rb") as f:
                 line_no, offset = 0, 0
@@ -65,28 +77,35 @@ class JsonLines:
                     start, offset = offset, offset + len(raw)
                     if not raw.strip():
                         continue
-                    record = json_record(raw, path, line_no)
-                    _text_of(record, text_field, f"{path}:{line_no}")
+                    record, where = json_record(raw, path, line_no), f"{path}:{line_no}"
+                    self.fields = fields = fields.detect(record, where)
+                    fields.value(record, where)
                     given = record.get(id_field)
                     ids.append(given if given is not None else
                                (line_no if len(self.files) == 1 else f"{os.path.basename(path)}:{line_no}"))
                     file_index.append(k)
                     offsets.append(start)
+                    lines.append(line_no)
         if not offsets:
             raise DataError(f"data source jsonl:{pattern}: no documents (the file(s) hold no JSON lines)")
-        self.file_index, self.offsets, self.ids = np.asarray(file_index), np.asarray(offsets, np.int64), ids
+        self.file_index, self.offsets, self.lines, self.ids = (np.asarray(file_index), np.asarray(offsets, np.int64),
+                                                               np.asarray(lines), ids)
 
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def __getitem__(self, i: int) -> str:
+    def __getitem__(self, i: int):
         path = self.files[int(self.file_index[i])]
         with open(path, "rb") as f:
             f.seek(int(self.offsets[i]))
-            return json.loads(f.readline())[self.text_field]
+            return self.fields.value(json.loads(f.readline()), self.where(i))
 
     def doc_id(self, i: int):
         return self.ids[int(i)]
+
+    def where(self, i: int) -> str:
+        """The file and line of document i, for messages."""
+        return f"{self.files[int(self.file_index[i])]}:{int(self.lines[i])}"
 
 
 def json_record(raw: bytes, path: str, line_no: int) -> dict:
@@ -100,44 +119,58 @@ def json_record(raw: bytes, path: str, line_no: int) -> dict:
     return record
 
 
-def _text_of(record: dict, field: str, where: str) -> str:
-    if field not in record:
-        raise DataError(f"{where}: no field {field!r} (the record has {sorted(record)[:8]}); name the text field "
-                        f"with data.text_field")
-    text = record[field]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not text")
-    return text
-
-
 class Table:
-    """A text column (and an optional id column) of Arrow tables: Parquet files or a saved `datasets` dataset."""
+    """Arrow tables (Parquet files or a saved `datasets` dataset): a document's column(s) and an optional id column.
+    Text is a string column; messages, prompts and completions are read as Python values."""
 
-    def __init__(self, name: str, table, text_field: str, id_field: str):
+    def __init__(self, name: str, table, fields: Fields, id_field: str):
         import pyarrow as pa
 
         if table.num_rows == 0:
             raise DataError(f"data source {name}: no documents (0 rows)")
-        if text_field not in table.column_names:
-            raise DataError(f"data source {name}: no column {text_field!r} (columns: {table.column_names[:8]}); "
-                            f"name the text column with data.text_field")
-        text = table.column(text_field)
-        if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
-            raise DataError(f"data source {name}: column {text_field!r} is {text.type}, not text")
-        if text.null_count:
-            row = int(np.flatnonzero(text.is_null().to_numpy(zero_copy_only=False))[0])
-            raise DataError(f"data source {name}: row {row}: column {text_field!r} is null, not text")
-        self.text = text
+        self.name = name
+        self.fields = fields = fields.detect({c: _placeholder(table.schema.field(c).type) for c in table.column_names},
+                                             f"data source {name}")
+        for column in fields.columns():
+            if column not in table.column_names:
+                what = "text" if fields.format == "text" else fields.format
+                raise DataError(f"data source {name}: no column {column!r} (columns: {table.column_names[:8]}); "
+                                f"name the {what} column with data.{'text' if what == 'text' else 'messages'}_field")
+        if fields.format == "text":
+            text = table.column(fields.text_field)
+            if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+                raise DataError(f"data source {name}: column {fields.text_field!r} is {text.type}, not text")
+        for column in fields.columns():
+            values = table.column(column)
+            if values.null_count:
+                row = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+                raise DataError(f"data source {name}: row {row}: column {column!r} is null"
+                                + (", not text" if fields.format == "text" else ""))
+        self.columns = {c: table.column(c) for c in fields.columns()}
         self.ids = table.column(id_field).to_pylist() if id_field in table.column_names else None
 
     def __len__(self) -> int:
-        return len(self.text)
+        return len(next(iter(self.columns.values())))
 
-    def __getitem__(self, i: int) -> str:
-        return self.text[int(i)].as_py()
+    def __getitem__(self, i: int):
+        record = {c: values[int(i)].as_py() for c, values in self.columns.items()}
+        return record[self.fields.text_field] if self.fields.format == "text" else self.fields.value(record,
+                                                                                                    self.where(i))
 
     def doc_id(self, i: int):
         return self.ids[int(i)] if self.ids is not None else int(i)
+
+    def where(self, i: int) -> str:
+        return f"data source {self.name}: row {int(i)}"
+
+
+def _placeholder(arrow_type):
+    """A stand-in value of a column's type, so that a table's format is found as a JSON record's is."""
+    import pyarrow as pa
+
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return []
+    return "" if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) else None
 
 
 def read_json(path: str, what: str) -> dict:
@@ -152,7 +185,7 @@ def read_json(path: str, what: str) -> dict:
     return value
 
 
-def parquet(pattern: str, text_field: str, id_field: str) -> Table:
+def parquet(pattern: str, fields: Fields, id_field: str) -> Table:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -161,7 +194,8 @@ def parquet(pattern: str, text_field: str, id_field: str) -> Table:
     for path in files:
         try:
             schema = pq.read_schema(path)
-            columns = [c for c in (text_field, id_field) if c in schema.names] or None
+            wanted = fields.columns() if fields.format else [fields.text_field, fields.messages_field, *PAIR]
+            columns = [c for c in (*wanted, id_field) if c in schema.names] or None
             tables.append(pq.read_table(path, columns=columns))
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: not a Parquet file ({str(e).splitlines()[0][:160]})") from None
@@ -169,10 +203,10 @@ def parquet(pattern: str, text_field: str, id_field: str) -> Table:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     except pa.ArrowInvalid as e:
         raise DataError(f"data source parquet:{pattern}: the files' columns differ ({str(e)[:160]})") from None
-    return Table(f"parquet:{pattern}", table, text_field, id_field)
+    return Table(f"parquet:{pattern}", table, fields, id_field)
 
 
-def hf_disk(path: str, split: str, text_field: str, id_field: str) -> Table:
+def hf_disk(path: str, split: str, fields: Fields, id_field: str) -> Table:
     """A dataset written by `datasets`' `save_to_disk`: state.json names its Arrow stream files (a DatasetDict
     keeps one such dataset per split, chosen by `data.split`). Memory-mapped; no `datasets` needed."""
     import pyarrow as pa
@@ -203,10 +237,10 @@ def hf_disk(path: str, split: str, text_field: str, id_field: str) -> Table:
             raise DataError(f"{file}: not an Arrow file of a saved dataset ({str(e).splitlines()[0][:160]})") from None
     if not tables:
         raise DataError(f"data source {name}: state.json lists no data files")
-    return Table(name, pa.concat_tables(tables) if len(tables) > 1 else tables[0], text_field, id_field)
+    return Table(name, pa.concat_tables(tables) if len(tables) > 1 else tables[0], fields, id_field)
 
 
-class TextDir(FileDocuments):
+class TextDir(FileDocuments, Plain):
     """One document per file under a directory (hidden files and folders skipped); the id is the relative path."""
 
     def __init__(self, root: str):
@@ -250,8 +284,8 @@ class Tfds(Indexed):
 
 
 def open_source(spec: str, *, split: str = "train", data_dir: str | None = None, text_field: str = "text",
-                id_field: str = "id"):
-    """The document source named by `spec`: a random-access sequence of document texts with ids.
+                id_field: str = "id", format: str = "", messages_field: str = "messages"):
+    """The document source named by `spec`: a random-access sequence of documents with ids.
 
     Args:
       spec: `builtin`, `tfds:NAME`, `jsonl:PATH`, `parquet:PATH`, `dir:PATH` or `hf-disk:PATH` (PATH may be a glob
@@ -260,24 +294,31 @@ def open_source(spec: str, *, split: str = "train", data_dir: str | None = None,
       data_dir: the TFDS data dir.
       text_field: the field or column holding a document's text.
       id_field: the field or column holding its id (when absent: the line or row number).
+      format: `text`, `chat` or `prompt_completion` (see `formats`); "" reads it off the first record.
+      messages_field: the field or column holding a conversation's messages (chat).
 
     Returns:
-      A source: `len(source)`, `source[i]` (the text) and `source.doc_id(i)`.
+      A source: `len(source)`, `source[i]` (the text, messages, or {"prompt", "completion"}), `source.doc_id(i)`,
+      `source.where(i)` (the file and line or row, for messages) and `source.fields` (its format found).
 
     Raises:
       DataError: a missing path, no documents, a missing field or a bad record, in one line naming it.
     """
-    if spec == "builtin":
-        return Builtin(builtin_corpus_files())
+    fields = Fields(format, text_field, messages_field)
     kind, _, rest = spec.partition(":")
     if kind == "jsonl":
-        return JsonLines(rest, text_field, id_field)
+        return JsonLines(rest, fields, id_field)
     if kind == "parquet":
-        return parquet(rest, text_field, id_field)
+        return parquet(rest, fields, id_field)
+    if kind == "hf-disk":
+        return hf_disk(os.path.expanduser(rest), split, fields, id_field)
+    if format not in ("", "text"):
+        raise ConfigError(f"data.format={format}: data source {spec!r} holds plain text; conversations come from "
+                          "jsonl:, parquet: or hf-disk: records")
+    if spec == "builtin":
+        return Builtin(builtin_corpus_files())
     if kind == "dir":
         return TextDir(os.path.expanduser(rest))
-    if kind == "hf-disk":
-        return hf_disk(os.path.expanduser(rest), split, text_field, id_field)
     name = spec.removeprefix("tfds:")  # a TFDS name may carry a config and version: c4/en:3.0.1
     if os.path.exists(name) or name.startswith(("/", "./", "../", "~")):
         guess = "jsonl" if name.endswith(".jsonl") else "parquet" if name.endswith(".parquet") else (

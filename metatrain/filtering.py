@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from metatrain import distributed, paths
-from metatrain.data import records
+from metatrain.data import pipeline, records
 from metatrain.errors import ConfigError, DataError, MetatrainError
 
 METHODS = ("topk", "p_accept")
@@ -96,15 +96,16 @@ def topk_keep(scores: np.ndarray, start: int, batch: int, drop: float, seed: int
 
 
 # ---- the passes --------------------------------------------------------------------------------
-def _score_pass(run, kind, files, mine, text_field, out_path, score_batch, max_rows, show) -> tuple[int, int]:
+def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows, show) -> tuple[int, int]:
     """Score the share's documents in order; append (file, offset, score, tokens) records to `out_path`.
     Returns (documents, tokens)."""
     import jax
 
+    from metatrain.data.pipeline import encoder
     from metatrain.data.tokenizer import load_tokenizer
     from metatrain.scores import score_stream
 
-    tok = load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size)
+    encode = encoder(run.cfg.data, load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size))
     fn = jax.jit(run.task.scores)
     meta = run.part("meta")
     docs = tokens = 0
@@ -113,7 +114,7 @@ def _score_pass(run, kind, files, mine, text_field, out_path, score_batch, max_r
     with open(out_path, "wb") as f, tqdm(total=mine.size, desc="scoring", unit=unit, unit_scale=kind == "jsonl",
                                          file=sys.stderr, disable=not show, mininterval=1.0) as bar:
         buffer = []
-        for rec, n_tokens, score, where in score_stream(fn, meta, records.read(kind, files, mine, text_field), tok,
+        for rec, n_tokens, score, where in score_stream(fn, meta, records.read(kind, files, mine, fields), encode,
                                                         run.cfg.data.seq_len, score_batch, max_rows):
             buffer.append((rec.file, rec.offset, score, n_tokens))
             docs, tokens = docs + 1, tokens + n_tokens
@@ -176,14 +177,14 @@ def _decide(all_scores: AllScores, a: int, b: int, method: str, drop: float, bat
     return topk_keep(scores, w_a, batch, drop, seed, all_scores.total)[a - w_a:b - w_a]
 
 
-def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, text_field: str) -> str | None:
+def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, fields) -> str | None:
     """Write the share's kept records unchanged to OUT/part-0000k.jsonl|parquet (`keep`: a decision per record of
     the share, in order); returns the file's name."""
     name = f"part-{part:05d}.{kind}"
     path = os.path.join(out, name)
     if kind == "jsonl":
         with open(path, "wb") as f:
-            for i, (rec, _) in enumerate(records.read(kind, files, mine, text_field)):
+            for i, (rec, _) in enumerate(records.read(kind, files, mine, fields)):
                 if keep[i]:
                     f.write(rec.raw if rec.raw.endswith(b"\n") else rec.raw + b"\n")
         return name
@@ -258,7 +259,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     try:
         mine = records.share(kind, files, part, parts)
         score_file = os.path.join(staging, f"scores-{part:05d}.bin")
-        docs, tokens = _score_pass(run, kind, files, mine, run.cfg.data.text_field, score_file, score_batch,
+        docs, tokens = _score_pass(run, kind, files, mine, pipeline.fields(run.cfg.data), score_file, score_batch,
                                    max_rows, show=main)
         paths.write_json(os.path.join(staging, f"count-{part:05d}.json"), {"documents": docs, "tokens": tokens})
         distributed.barrier("filter:scored")
@@ -280,7 +281,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
             kept_docs += int(decided.sum())
             kept_tokens += int(all_scores.slice(lo, hi)["tokens"][decided].sum())
         keep.flush()
-        name = _write_pass(kind, files, mine, keep, out, part, run.cfg.data.text_field) if kept_docs else None
+        name = _write_pass(kind, files, mine, keep, out, part, pipeline.fields(run.cfg.data)) if kept_docs else None
         paths.write_json(os.path.join(staging, f"kept-{part:05d}.json"),
                     {"documents": kept_docs, "tokens": kept_tokens, "output": name})
         distributed.barrier("filter:written")

@@ -31,7 +31,8 @@ from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.data import records
-from metatrain.data.pipeline import document_source, split_ids
+from metatrain.data.pipeline import document_source, encoder, fields, split_ids
+from metatrain.data.pipeline import where as where_
 from metatrain.data.tokenizer import load_tokenizer
 from metatrain.errors import ConfigError, DataError
 from metatrain.tasks import make_task
@@ -71,55 +72,61 @@ def open_run(workdir: str) -> Run:
     return Run(cfg, task, step, state_dir, saved, shapes)
 
 
-def document_rows(tokens: np.ndarray, seq_len: int, max_rows: int) -> list[dict]:
-    """One document's tokens as up to `max_rows` rows of seq_len+1 (consecutive rows overlap by one token, so
-    every token but the first is a target once), the last padded with segment id 0; positions restart in each
-    row, as in a packed training row."""
+def document_rows(tokens: np.ndarray, mask: np.ndarray, seq_len: int, max_rows: int) -> list[dict]:
+    """One document's tokens (and loss mask) as up to `max_rows` rows of seq_len+1 (consecutive rows overlap by one
+    token, so every token but the first is a target once), the last padded with segment id 0; positions restart in
+    each row, as in a packed training row. `targets`: the row's targets the mask marks."""
     rows, start = [], 0
     while start < len(tokens) - 1 and len(rows) < max_rows:
-        chunk = tokens[start:start + seq_len + 1]
+        chunk, chunk_mask = tokens[start:start + seq_len + 1], mask[start:start + seq_len + 1]
         n = len(chunk)
-        row = np.zeros(seq_len + 1, np.int32)
-        row[:n] = chunk
+        row, loss_mask = np.zeros(seq_len + 1, np.int32), np.zeros(seq_len + 1, np.int32)
+        row[:n], loss_mask[:n] = chunk, chunk_mask
         rows.append({"tokens": row, "segment_ids": (np.arange(seq_len + 1) < n).astype(np.int32),
-                     "positions": np.arange(seq_len + 1, dtype=np.int32), "targets": n - 1})
+                     "positions": np.arange(seq_len + 1, dtype=np.int32), "loss_mask": loss_mask,
+                     "targets": int(loss_mask[1:].sum())})
         start += seq_len
     return rows
 
 
-def _batches(docs, ids, tok, seq_len: int, batch: int, max_rows: int) -> Iterator[tuple[dict, np.ndarray, np.ndarray]]:
+FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
+EMPTY_ROW = {"targets": 0}
+
+
+def _stack(rows: list[dict], seq_len: int, batch: int) -> dict:
+    """Rows as a batch [batch, seq+1], padded with empty rows."""
+    empty = np.zeros(seq_len + 1, np.int32)
+    rows = rows + [EMPTY_ROW] * (batch - len(rows))
+    b = {f: np.stack([r.get(f, empty) for r in rows]) for f in FIELDS}
+    b["corrupted"] = np.zeros(batch, np.int32)
+    return b
+
+
+def _batches(docs, ids, encode, seq_len: int, batch: int, max_rows: int
+             ) -> Iterator[tuple[dict, np.ndarray, np.ndarray]]:
     """(batch of rows [batch, seq+1], each row's document position in `ids` (-1: padding), its target count)."""
     pending = []
     for k, i in enumerate(ids):
-        pending += [(k, r) for r in document_rows(tok.encode(docs[int(i)]), seq_len, max_rows)]
+        pending += [(k, r) for r in document_rows(*encode(docs[int(i)], where_(docs, int(i))), seq_len,
+                                                          max_rows)]
         while len(pending) >= batch or (k == len(ids) - 1 and pending):
             take, pending = pending[:batch], pending[batch:]
             pad = batch - len(take)
-            rows = [r for _, r in take] + [{"tokens": np.zeros(seq_len + 1, np.int32),
-                                            "segment_ids": np.zeros(seq_len + 1, np.int32),
-                                            "positions": np.zeros(seq_len + 1, np.int32), "targets": 0}] * pad
-            b = {f: np.stack([r[f] for r in rows]) for f in ("tokens", "segment_ids", "positions")}
-            b["corrupted"] = np.zeros(batch, np.int32)
-            yield b, np.asarray([k for k, _ in take] + [-1] * pad), np.asarray([r["targets"] for r in rows])
+            yield (_stack([r for _, r in take], seq_len, batch), np.asarray([k for k, _ in take] + [-1] * pad),
+                   np.asarray([r["targets"] for _, r in take] + [0] * pad))
 
 
-def score_stream(fn, params, items, tok, seq_len: int, batch: int, max_rows: int):
+def score_stream(fn, params, items, encode, seq_len: int, batch: int, max_rows: int):
     """Per-document means of `fn(params, batch) -> [batch]` over a stream of documents, in order and in bounded
-    memory: `items` yields (record with `.text`, progress); yields (record, its token count, its mean over its
-    target tokens (NaN without any), progress). Rows of several documents share a batch (padding rows at the
-    end only)."""
+    memory: `items` yields (record with `.doc` and `.where`, progress); yields (record, its token
+    count, its mean over its target tokens (NaN without any), progress). Rows of several documents share a batch
+    (padding rows at the end only)."""
     pending_docs, rows = [], []  # [record, progress, tokens, total, count, rows left]; (doc slot, row)
     first = 0  # the document number of pending_docs[0]
 
     def run_batch(take):
         nonlocal first
-        pad = batch - len(take)
-        empty = {"tokens": np.zeros(seq_len + 1, np.int32), "segment_ids": np.zeros(seq_len + 1, np.int32),
-                 "positions": np.zeros(seq_len + 1, np.int32), "targets": 0}
-        rows_ = [r for _, r in take] + [empty] * pad
-        b = {f: np.stack([r[f] for r in rows_]) for f in ("tokens", "segment_ids", "positions")}
-        b["corrupted"] = np.zeros(batch, np.int32)
-        values = np.asarray(fn(params, b))
+        values = np.asarray(fn(params, _stack([r for _, r in take], seq_len, batch)))
         for (slot, r), v in zip(take, values):
             doc = pending_docs[slot - first]
             doc[3] += float(v) * r["targets"]
@@ -134,8 +141,8 @@ def score_stream(fn, params, items, tok, seq_len: int, batch: int, max_rows: int
             yield rec, n_tokens, (total / count if count else float("nan")), where
 
     for rec, where in items:
-        tokens = tok.encode(rec.text)
-        doc_rows = document_rows(tokens, seq_len, max_rows)
+        tokens, mask = encode(rec.doc, rec.where)
+        doc_rows = document_rows(tokens, mask, seq_len, max_rows)
         slot = first + len(pending_docs)
         pending_docs.append([rec, where, len(tokens), 0.0, 0, len(doc_rows)])
         rows += [(slot, r) for r in doc_rows]
@@ -148,12 +155,13 @@ def score_stream(fn, params, items, tok, seq_len: int, batch: int, max_rows: int
     yield from finished()
 
 
-def _per_document(fn, params, docs, ids, tok, cfg: Config, max_rows: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _per_document(fn, params, docs, ids, encode, cfg: Config, max_rows: int,
+                  what: str) -> tuple[np.ndarray, np.ndarray]:
     """fn(params, batch) -> [batch] per-row means, averaged per document over its target tokens (NaN for a document
     without any); and each document's target count."""
     total, count = np.zeros(len(ids)), np.zeros(len(ids))
     with tqdm(total=len(ids), desc=what, unit="doc", file=sys.stderr, disable=len(ids) < 2) as bar:
-        for b, where, targets in _batches(docs, ids, tok, cfg.data.seq_len, cfg.data.batch, max_rows):
+        for b, where, targets in _batches(docs, ids, encode, cfg.data.seq_len, cfg.data.batch, max_rows):
             values = np.asarray(fn(params, b))
             keep = where >= 0
             np.add.at(total, where[keep], values[keep] * targets[keep])
@@ -181,13 +189,13 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
-    tok = load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size)
+    encode = encoder(run.cfg.data, load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size))
     fn = jax.jit(run.task.scores)
     spec = source or run.cfg.data.source
     if spec.startswith(tuple(records.FORMATS)):  # streamed: bounded memory whatever the file's size
-        return _scores_streamed(run, spec, out, tok, fn, max_rows)
+        return _scores_streamed(run, spec, out, encode, fn, max_rows)
     docs = document_source(run.cfg.data, spec)
-    values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), tok, run.cfg, max_rows, "scoring")
+    values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows, "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
     with open(out, "w") as f:
         for i in range(len(docs)):
@@ -197,7 +205,7 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     return out, len(docs)
 
 
-def _scores_streamed(run: Run, spec: str, out: str, tok, fn, max_rows: int) -> tuple[str, int]:
+def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -> tuple[str, int]:
     """`scores` of a JSONL or Parquet source, streamed: one pass scores every document into OUT.tmp (and the
     log-mean of e^score the weights need), a second writes OUT with the weights."""
     kind, pattern = records.input_format(spec)
@@ -208,9 +216,9 @@ def _scores_streamed(run: Run, spec: str, out: str, tok, fn, max_rows: int) -> t
     tmp = f"{out}.tmp"
     with open(tmp, "w") as f, tqdm(total=mine.size, desc="scoring", unit="B" if kind == "jsonl" else " docs",
                                    unit_scale=kind == "jsonl", file=sys.stderr, mininterval=1.0) as bar:
-        for rec, _, score, where in score_stream(fn, run.part("meta"), records.read(kind, files, mine, d.text_field,
+        for rec, _, score, where in score_stream(fn, run.part("meta"), records.read(kind, files, mine, fields(d),
                                                                                    d.id_field),
-                                                 tok, d.seq_len, d.batch, max_rows):
+                                                 encode, d.seq_len, d.batch, max_rows):
             f.write(json.dumps([rec.id, score if math.isfinite(score) else None]) + "\n")
             n += 1
             if math.isfinite(score):
@@ -257,7 +265,7 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
         ids = split_ids(len(docs), cfg.data.outer_every)[2]
     if max_docs:
         ids = ids[:max_docs]
-    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
+    encode = encoder(cfg.data, load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size))
     frozen = run.frozen()
     per_example = jax.jit(lambda theta, fr, b: run.task.with_frozen(fr).example_losses(theta, b))
     loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
@@ -277,7 +285,7 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
         models.append(("starting model", lambda: export_lib.load_params(cfg.inner.init_from, target)))
     results = []
     for name, params in models:
-        per_doc, counts = _per_document(loss, params(), docs, ids, tok, cfg, max_rows, name)
+        per_doc, counts = _per_document(loss, params(), docs, ids, encode, cfg, max_rows, name)
         ok = counts > 0  # the mean over tokens: each document weighted by its target count
         results.append((name, float(np.sum(per_doc[ok] * counts[ok]) / max(counts[ok].sum(), 1))))
     return results

@@ -30,7 +30,7 @@ import optax
 
 from metatrain import population
 from metatrain.config import Config, MetaOptConfig, meta_model_config
-from metatrain.data.pipeline import DataConfig
+from metatrain.data.pipeline import DataConfig, device_features
 from metatrain.plan import Plan
 from metatrain.plan import choose as choose_plan
 from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
@@ -283,11 +283,12 @@ def task_arguments(cfg: Config) -> dict:
 
 def batch_specs(data: DataConfig, mesh: jax.sharding.Mesh | None = None, members: int = 1) -> Batches:
     """ShapeDtypeStructs of one outer step's batches: inner [T, batch, seq+1], outer [batch, seq+1] (token ids,
-    segment ids, positions; a per-example `corrupted` flag), split over data x fsdp when a mesh is given; with a
-    population (`members` > 1) each member's, stacked: [members, T, batch, seq+1] and [members, batch, seq+1]."""
+    segment ids, positions, conversations' loss mask; a per-example `corrupted` flag), split over data x fsdp when
+    a mesh is given; with a population (`members` > 1) each member's, stacked: [members, T, batch, seq+1] and
+    [members, batch, seq+1]."""
     def batch(shape, sharding):
-        seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("tokens", "segment_ids",
-                                                                                      "positions")}
+        seq = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+               for k in device_features(data) if k != "corrupted"}
         return seq | {"corrupted": jax.ShapeDtypeStruct(shape[:-1], jnp.int32, sharding=sharding)}
 
     lead = (members,) if members > 1 else ()
@@ -306,7 +307,8 @@ def random_batches(data: DataConfig, vocab: int, key: jax.Array, members: int = 
                 "segment_ids": jnp.ones(spec["segment_ids"].shape, jnp.int32),
                 "positions": jnp.broadcast_to(jnp.arange(data.seq_len + 1, dtype=jnp.int32),
                                               spec["positions"].shape),
-                "corrupted": jnp.zeros(spec["corrupted"].shape, jnp.int32)}
+                "corrupted": jnp.zeros(spec["corrupted"].shape, jnp.int32)} | (
+            {"loss_mask": jnp.ones(spec["loss_mask"].shape, jnp.int32)} if "loss_mask" in spec else {})
 
     k1, k2 = jax.random.split(key)
     inner, outer = batch_specs(data, members=members)

@@ -30,7 +30,7 @@ from metatrain import workdir as workdir_lib
 from metatrain.aot import compiled_memory
 from metatrain.checkpoints import Checkpoints
 from metatrain.config import AUTO, Config
-from metatrain.data.pipeline import DEVICE_FEATURES, Streams, to_global
+from metatrain.data.pipeline import Streams, device_features, to_global
 from metatrain.errors import ConfigError, TrainingError
 from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
 from metatrain.tasks import validate
@@ -69,8 +69,10 @@ class Trainer:
             raise ConfigError(f"data.batch: {cfg.data.batch} does not divide over the {n_batch_shards} "
                               f"data x fsdp devices; use a multiple of {n_batch_shards}")
         self.streams = Streams(cfg.data)
-        # the model's vocabulary follows the tokenizer
-        self.cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size))
+        # the model's vocabulary follows the tokenizer; the data's format is the one the sources hold
+        self.cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size),
+                                       data=dataclasses.replace(cfg.data, format=self.streams.format))
+        self._features = device_features(self.cfg.data)
         self.program = self._program()
         self.task = self.program.task
         self.state = step_lib.init(self.program, jax.random.key(cfg.seed))
@@ -184,8 +186,8 @@ class Trainer:
                 inner, outer = self.streams.next()
             else:  # each member's batches, the next ones of the streams, stacked
                 inner, outer = population.stacked_batches([self.streams.next() for _ in range(self.members)])
-        return (to_global(inner, self._inner_sharding, DEVICE_FEATURES),
-                to_global(outer, self._member_outer_sharding, DEVICE_FEATURES))
+        return (to_global(inner, self._inner_sharding, self._features),
+                to_global(outer, self._member_outer_sharding, self._features))
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluated(self, which: str = "inner", member: int = 0):
@@ -219,7 +221,7 @@ class Trainer:
     def _test_batches(self):
         if not hasattr(self, "_test_cache"):
             with self._data_wait():
-                self._test_cache = [to_global(b, self._outer_sharding, DEVICE_FEATURES)
+                self._test_cache = [to_global(b, self._outer_sharding, self._features)
                                     for b in self.streams.test_batches(self.cfg.eval_batches)]
         return self._test_cache
 

@@ -277,16 +277,20 @@ class Transformer(nnx.Module):
     def unembedding(self) -> jax.Array:  # [d_model, vocab]
         return self.embed[...].T if self.cfg.tie_embeddings else self.out[...]
 
-    def example_losses(self, tokens, segment_ids=None, positions=None) -> jax.Array:
-        """Per-example mean next-token loss of a batch of sequences, [batch]: tokens (and segment_ids, positions)
-        [batch, seq + 1], predicting tokens[:, 1:] from tokens[:, :-1]. With `loss_chunk` > 0 the logits are
-        made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
+    def example_losses(self, tokens, segment_ids=None, positions=None, loss_mask=None) -> jax.Array:
+        """Per-example mean next-token loss of a batch of sequences, [batch]: tokens (and segment_ids, positions,
+        loss_mask) [batch, seq + 1], predicting tokens[:, 1:] from tokens[:, :-1]. The mean is over the targets
+        that are not padding and, with `loss_mask`, are marked 1 there (a conversation's assistant tokens). With
+        `loss_chunk` > 0 the logits are made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
         cut = lambda a, sl: None if a is None else a[:, sl]
         inputs = (tokens[:, :-1], cut(segment_ids, slice(None, -1)), cut(positions, slice(None, -1)))
+        targets = cut(segment_ids, slice(1, None))
+        if loss_mask is not None:  # a target counts where it is not padding and the mask marks it
+            targets = (jnp.ones_like(loss_mask[:, 1:]) if targets is None else targets) * (loss_mask[:, 1:] > 0)
         if not self.cfg.loss_chunk:
-            return next_token_loss(self(*inputs), tokens[:, 1:], cut(segment_ids, slice(1, None)))
-        return chunked_next_token_loss(self.features(*inputs), self.unembedding, tokens[:, 1:],
-                                       cut(segment_ids, slice(1, None)), self.cfg.loss_chunk)
+            return next_token_loss(self(*inputs), tokens[:, 1:], targets)
+        return chunked_next_token_loss(self.features(*inputs), self.unembedding, tokens[:, 1:], targets,
+                                       self.cfg.loss_chunk)
 
     def features(self, tokens, segment_ids=None, positions=None):
         """The final normalised hidden states, [batch, seq, d_model]."""

@@ -17,9 +17,10 @@ opt)`                                  one by default (truncated BPTT); MAML: θ
 `outer_loss(theta, eta, batch)`        V(θ_T, η, x_val): a scalar
 =====================================  ===============================================
 
-A batch is a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`
-(same shape) and per-example fields. `self.example_losses(theta, batch)` gives the next-token loss
-per example. Every method must be a pure function of its arguments (it is traced by JAX).
+A batch is a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`,
+`loss_mask` (conversations: 1 on the tokens trained on; same shape) and per-example fields.
+`self.example_losses(theta, batch)` gives the next-token loss per example. Every method must be a
+pure function of its arguments (it is traced by JAX).
 
 With LoRA (`inner.lora.rank > 0`) θ is the adapters alone; the base weights are a frozen argument of
 the outer step that the framework binds to the task (`with_frozen`) before calling its methods, and
@@ -216,13 +217,13 @@ class Task:
 
         Args:
           theta: θ (the adapters under LoRA).
-          batch: a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`.
+          batch: a dict with `tokens: int [batch, seq+1]` and optionally `segment_ids`, `positions`, `loss_mask`.
 
         Returns:
-          float32 [batch]: each example's mean next-token loss over its valid positions.
+          float32 [batch]: each example's mean next-token loss over its valid positions (those `loss_mask` marks).
         """
         return self.inner_model(theta).example_losses(batch["tokens"], batch.get("segment_ids"),
-                                                      batch.get("positions"))
+                                                      batch.get("positions"), batch.get("loss_mask"))
 
 
 def _describe(tree) -> str:

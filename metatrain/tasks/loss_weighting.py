@@ -66,7 +66,7 @@ class LossWeighting(Task):
             raw = model(*inputs)
             raw = raw.astype(jnp.promote_types(raw.dtype, jnp.float32))  # [batch], at least float32
             return jnp.exp(meta["log_temperature"]).astype(raw.dtype) * raw
-        nll = model.example_losses(*inputs)  # [batch]
+        nll = model.example_losses(*inputs, batch.get("loss_mask"))  # [batch]
         return -jnp.exp(meta["log_temperature"]).astype(nll.dtype) * nll
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:

