@@ -76,6 +76,18 @@ def cmd_data_make_noisy(args) -> int:
     return 0
 
 
+def cmd_data_make_chat(args) -> int:
+    from metatrain import paths
+    from metatrain.data.chat_data import make_chat
+
+    out = paths.local(args.out)
+    m = make_chat(out, args.seed, args.vocab_size)
+    n = m["conversations"]
+    print(f"wrote {out}: train.jsonl ({n['train']:,} conversations), trusted.jsonl ({n['trusted']:,}), heldout.jsonl "
+          f"({n['heldout']:,}), tokenizer/ ({m['vocab_size']:,} tokens, a ChatML chat template), manifest.json")
+    return 0
+
+
 def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
@@ -110,3 +122,12 @@ def register(sub) -> None:
                    help="the fraction of training documents with a defect")
     p.add_argument("--seed", type=common.nonnegative_int, default=0)
     p.set_defaults(fn=cmd_data_make_noisy)
+    p = data.add_parser("make-chat", help="conversations from the built-in corpus (a user asks for a Python function, "
+                                          "the assistant writes it): train, trusted and held-out sets (JSONL) and a "
+                                          "tokenizer with a chat template")
+    p.add_argument("--out", required=True, help="a new directory: train.jsonl, trusted.jsonl, heldout.jsonl, "
+                                                "tokenizer/")
+    p.add_argument("--seed", type=common.nonnegative_int, default=0)
+    p.add_argument("--vocab-size", type=common.positive_int, default=1024,
+                   help="the tokenizer's vocabulary, for models trained from scratch")
+    p.set_defaults(fn=cmd_data_make_chat)

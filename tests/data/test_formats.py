@@ -1,0 +1,210 @@
+"""Conversation records through the pipeline: the format read off the records, the loss mask through packing (exactly
+the assistant's tokens), prompt and completion pairs, the per-example loss over masked tokens, and one-line errors
+naming the file, the record and the field."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from metatrain.data import chat
+from metatrain.data.chat_data import CHATML, make_chat, requests_of, write_tokenizer
+from metatrain.data.formats import Encoder, Fields, preview
+from metatrain.data.pipeline import DataConfig, Streams
+from metatrain.data.sources import open_source
+from metatrain.data.tokenizer import load_tokenizer
+from metatrain.errors import ConfigError, DataError
+
+WORDS = "the quick brown fox jumps over a lazy dog what is two plus two four said the model".split()
+
+
+def _conversation(rng, i):
+    messages = [{"role": "system", "content": "be brief."}] if i % 2 else []
+    for _ in range(1 + i % 3):
+        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS, 6))})
+        messages.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, 1 + i % 7))})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok") / "tokenizer"
+    write_tokenizer(str(directory), [" ".join(WORDS)] * 20, 300)
+    return directory
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _chats(tmp_path, n=40):
+    rng = np.random.default_rng(0)
+    return _jsonl(tmp_path / "chat.jsonl", [{"id": f"c{i}", "messages": _conversation(rng, i)} for i in range(n)])
+
+
+def _cfg(path, tok_dir, **kw):
+    return DataConfig(**{"source": f"jsonl:{path}", "tokenizer": f"hf:{tok_dir}", "seq_len": 24, "batch": 4,
+                         "outer_every": 5, "shuffle_window": 8, **kw})
+
+
+def test_the_loss_mask_goes_through_packing_and_covers_the_assistant_tokens(tmp_path, tok_dir):
+    """Each packed row's loss_mask marks exactly the tokens that `chat.encode` marks in its conversations: the
+    packed rows are the conversations' ids concatenated, and the masks concatenated the same way."""
+    path = _chats(tmp_path)
+    streams = Streams(_cfg(path, tok_dir, shuffle_window=1), 0, 1)
+    assert streams.format == "chat" and streams.docs.fields.format == "chat"
+    src = open_source(f"jsonl:{path}")
+    encoded = {i: chat.encode(src[i], f"hf:{tok_dir}") for i in range(len(src))}
+    seen = trained = 0
+    for _ in range(6):
+        inner, _ = streams.next()
+        for row in range(4):
+            tokens, mask = inner["tokens"][0, row], inner["loss_mask"][0, row]
+            seg, doc = inner["segment_ids"][0, row], inner["doc"][0, row]
+            # rebuild the row from the conversations it was cut from: segments follow the documents in order
+            for s in np.unique(seg[seg > 0]):
+                at = np.flatnonzero(seg == s)
+                piece, piece_mask = tokens[at].tolist(), mask[at].tolist()
+                hits = [(i, k) for i, (ids, m) in encoded.items() for k in range(len(ids) - len(at) + 1)
+                        if ids[k:k + len(at)] == piece and m[k:k + len(at)] == piece_mask]
+                assert hits, (doc, piece)
+                seen += 1
+            trained += int(mask.sum())  # a row may hold only a conversation's user turns: none of its tokens
+    assert seen > 20 and trained > 100
+
+
+def test_the_mask_is_the_assistant_text_and_train_on_all_is_every_token(tmp_path, tok_dir):
+    path = _chats(tmp_path, 6)
+    src = open_source(f"jsonl:{path}")
+    tok = load_tokenizer(f"hf:{tok_dir}")
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    for i in range(len(src)):
+        ids, mask = Encoder(tok)(src[i])
+        runs, run = [], []
+        for t, m in zip(ids, mask):
+            if m:
+                run.append(int(t))
+            elif run:
+                runs.append(run)
+                run = []
+        texts = [backend.decode(r, skip_special_tokens=False) for r in runs + ([run] if run else [])]
+        assert texts == [m["content"] + "<|im_end|>" for m in src[i] if m["role"] == "assistant"]
+        ids_all, mask_all = Encoder(tok, train_on="all")(src[i])
+        assert ids_all.tolist() == ids.tolist() and mask_all.all()
+
+
+def test_prompt_completion_trains_on_the_completion(tmp_path, tok_dir):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"what is {w}?", "completion": f" {w} is a word."}
+                                          for w in WORDS])
+    src = open_source(f"jsonl:{path}")
+    assert src.fields.format == "prompt_completion"
+    tok = load_tokenizer(f"hf:{tok_dir}")
+    ids, mask = Encoder(tok)(src[0])
+    prompt = tok.encode("what is the?", eot=False)
+    assert ids[:len(prompt)].tolist() == prompt.tolist() and not mask[:len(prompt)].any()
+    assert mask[len(prompt):].all() and ids[-1] == tok.eot
+    # message lists: one conversation, the completion's assistant turns trained on (not the prompt's)
+    record = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox"},
+                         {"role": "user", "content": "more"}],
+              "completion": [{"role": "assistant", "content": "a lazy dog"}]}
+    doc = Fields().detect(record, "r").value(record, "r")
+    ids, mask = Encoder(tok)(doc)
+    assert tok.decode(ids[mask == 1]) == "a lazy dog<|im_end|>"
+    assert preview(doc) == "user: hi | assistant: the fox | user: more | assistant: a lazy dog"
+
+
+def test_the_masked_loss_is_the_mean_over_masked_targets():
+    import jax
+    import jax.numpy as jnp
+
+    from metatrain import models
+
+    cfg = models.ModelConfig(vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_layers=1)
+    model = models.Transformer(cfg, rngs=__import__("flax").nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, 50)
+    mask = jnp.asarray(np.random.default_rng(0).integers(0, 2, (3, 9)))
+    logits = np.asarray(model(tokens[:, :-1]), np.float64)
+    target = np.take_along_axis(logits, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
+    nll = np.log(np.exp(logits).sum(-1)) - target
+    m = np.asarray(mask[:, 1:], np.float64)
+    expected = (nll * m).sum(-1) / np.maximum(m.sum(-1), 1)
+    # float32 logits of a 1-layer model: the two means agree to float32 rounding (~1e-6 relative)
+    np.testing.assert_allclose(model.example_losses(tokens, loss_mask=mask), expected, rtol=1e-5)
+    chunked = models.Transformer(cfg.replace(loss_chunk=4), rngs=__import__("flax").nnx.Rngs(0))
+    np.testing.assert_allclose(chunked.example_losses(tokens, loss_mask=mask), expected, rtol=1e-5)
+
+
+def test_formats_are_read_off_the_first_record_and_ambiguity_is_refused(tmp_path):
+    text = _jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
+    assert open_source(f"jsonl:{text}").fields.format == "text"
+    both = _jsonl(tmp_path / "b.jsonl", [{"text": "hello", "messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(DataError, match=r"b.jsonl:1: the record could be chat or text.*data.format=chat\|text"):
+        open_source(f"jsonl:{both}")
+    assert open_source(f"jsonl:{both}", format="chat").fields.format == "chat"
+    with pytest.raises(ConfigError, match="data.format=chat: data source 'builtin' holds plain text"):
+        open_source("builtin", format="chat")
+    with pytest.raises(ConfigError, match="data.format must be one of text, chat, prompt_completion"):
+        DataConfig(format="sharegpt")
+    with pytest.raises(ConfigError, match="data.train_on must be one of assistant, all"):
+        DataConfig(train_on="user")
+
+
+def test_bad_conversations_are_one_line_naming_file_record_and_field(tmp_path, tok_dir):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox"}]}
+    cases = [
+        ({"text": "no messages here"}, r"bad.jsonl:2: no field 'messages'.*data.messages_field"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"bad.jsonl:2: field 'messages': message 0 has role "
+                                                            r"'robot'"),
+        ({"messages": [{"role": "user"}]}, r"bad.jsonl:2: field 'messages': message 0 needs a 'role' and a 'content'"),
+    ]
+    for record, message in cases:
+        path = _jsonl(tmp_path / "bad.jsonl", [good, record])
+        with pytest.raises(DataError, match=message):
+            open_source(f"jsonl:{path}", format="chat")
+    # found while encoding: no assistant turn (under train_on=assistant), a template that fails to render
+    path = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 10)
+    with pytest.raises(DataError, match=r"bad.jsonl:\d+: field 'messages': no assistant turn to train on "
+                                        r"\(data.train_on=assistant\); add one, or set data.train_on=all"):
+        Streams(_cfg(path, tok_dir), 0, 1)
+    failing = tmp_path / "failing.jinja"
+    failing.write_text("{{ raise_exception('only user turns, please') }}")
+    path = _chats(tmp_path)
+    with pytest.raises(DataError, match=r"chat.jsonl:\d+: the chat template fails to render it: only user turns"):
+        Streams(_cfg(path, tok_dir, chat_template=str(failing)), 0, 1)
+    with pytest.raises(ConfigError, match="data.format=chat: conversations are rendered by the model's chat template; "
+                                          "set data.tokenizer=hf:DIR"):
+        Streams(DataConfig(source=f"jsonl:{path}", seq_len=24, batch=4, outer_every=5), 0, 1)
+
+
+def test_a_bad_record_is_one_line_from_the_command(tmp_path, tok_dir):
+    """From `metatrain train`, as a user meets it: no traceback, the file and line."""
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": "y"}]}] * 9
+                  + [{"messages": [{"role": "narrator", "content": "x"}]}])
+    res = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", f"data.source=jsonl:{path}",
+                          f"data.tokenizer=hf:{tok_dir}", f"workdir={tmp_path / 'run'}"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"{path}:10: field 'messages': message 0 has role 'narrator'" in res.stderr
+
+
+def test_make_chat_writes_conversations_and_a_tokenizer_with_a_template(tmp_path):
+    text = 'def f(a, b):\n    """Add two numbers."""\n    return a + b\n\n\nclass C:\n    def g(self):\n' \
+           '        """Nothing."""\n        return None\n'
+    assert requests_of(text) == [("Write a Python function `f(a, b)`: Add two numbers.",
+                                  'def f(a, b):\n    """Add two numbers."""\n    return a + b'),
+                                 ("Write a Python function `g(self)`: Nothing.",
+                                  'def g(self):\n    """Nothing."""\n    return None')]
+    m = make_chat(str(tmp_path / "chat"), vocab_size=400)
+    assert min(m["conversations"].values()) > 50
+    first = json.loads((tmp_path / "chat" / "train.jsonl").read_text().splitlines()[0])
+    ids, mask = chat.encode(first["messages"], f"hf:{tmp_path / 'chat' / 'tokenizer'}")
+    assert 0 < sum(mask) < len(ids)
+    assert chat.read_template(str(tmp_path / "chat" / "tokenizer")) == CHATML
+    with pytest.raises(ConfigError, match="exists and is not an empty directory"):
+        make_chat(str(tmp_path / "chat"))
