@@ -115,7 +115,7 @@ def run_block(name: str, installed: Path, cwd: Path) -> subprocess.CompletedProc
 def test_every_marked_block_has_a_test():
     here = Path(__file__).read_text()
     names = set(readme_blocks())
-    assert {"quickstart", "training", "huggingface", "own-data", "task-module", "task-commands"} <= names
+    assert {"quickstart", "training", "huggingface", "own-data", "task-module", "task-commands", "chat"} <= names
     assert all(f'"{name}"' in here for name in names)
 
 
@@ -150,6 +150,23 @@ def test_huggingface(installed, tmp_path):
     assert f"inner model from {tmp_path / 'runs' / 'smollm2'}" in res.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "smollm2-hf")
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_chat(installed, tmp_path):
+    """Chat data and a trusted set, generation before and after LoRA fine-tuning, the adapters loaded by peft, on a
+    tiny model whose tokenizer has a ChatML template."""
+    pytest.importorskip("peft", reason="the hf test extra is not installed")
+    from metatrain.data.chat_data import CHATML
+
+    model = tmp_path / "home" / "models" / "SmolLM2-135M-Instruct"
+    make_hf_checkpoint(model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    res = run_block("chat", installed, tmp_path)
+    assert (tmp_path / "chat" / "trusted.jsonl").is_file()
+    assert "inner model from" in res.stdout and re.search(r"\nvalidation loss: \d+\.\d+ -> \d+\.\d+\n", res.stdout)
+    assert (tmp_path / "runs" / "chat-adapters" / "adapter_model.safetensors").is_file()
+    assert "PeftModelForCausalLM loaded the adapters" in res.stdout
 
 
 def test_own_data(installed, tmp_path):
