@@ -208,3 +208,33 @@ def test_make_chat_writes_conversations_and_a_tokenizer_with_a_template(tmp_path
     assert chat.read_template(str(tmp_path / "chat" / "tokenizer")) == CHATML
     with pytest.raises(ConfigError, match="exists and is not an empty directory"):
         make_chat(str(tmp_path / "chat"))
+
+
+@pytest.mark.slow
+def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_dir):
+    """A tiny loss-weighting run on conversations (trusted set: conversations too), then its scores, eval and filter
+    on conversations: one score per conversation, the loss of the assistant's tokens, the kept lines unchanged."""
+    from helpers import TINY
+
+    from metatrain import cli, filtering, scores
+
+    rng = np.random.default_rng(1)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"id": f"c{i}", "messages": _conversation(rng, i)} for i in range(60)])
+    trusted = _jsonl(tmp_path / "trusted.jsonl", [{"messages": _conversation(rng, i)} for i in range(20)])
+    run = tmp_path / "run"
+    assert cli.main(["train", *TINY, "steps=2", f"data.source=jsonl:{path}", f"data.outer_source=jsonl:{trusted}",
+                     f"data.tokenizer=hf:{tok_dir}", f"workdir={run}"]) == 0
+    out, n = scores.scores(str(run), f"jsonl:{path}")
+    rows = [json.loads(line) for line in open(out)]
+    assert n == 60 and [r["id"] for r in rows] == [f"c{i}" for i in range(60)]
+    assert all(np.isfinite(r["score"]) and r["weight"] > 0 for r in rows)
+    losses = dict(scores.evaluate(str(run), f"jsonl:{trusted}"))
+    assert 0 < losses["inner model (fine-tuned)"] < 10 and 0 < losses["uniform baseline"] < 10
+    # a masked loss: every token of the same conversations, counted as text, gives another figure
+    whole = _jsonl(tmp_path / "whole.jsonl", [{"text": chat.ChatTemplate(str(tok_dir)).render(
+        json.loads(line)["messages"])[0]} for line in open(trusted)])
+    assert dict(scores.evaluate(str(run), f"jsonl:{whole}"))["uniform baseline"] != losses["uniform baseline"]
+    m = filtering.filter_corpus(str(run), f"jsonl:{path}", str(tmp_path / "kept"), 0.5, batch=4)
+    kept = (tmp_path / "kept" / "part-00000.jsonl").read_text().splitlines()
+    assert m["documents"]["kept"] == len(kept) and 0 < len(kept) < 60
+    assert set(kept) <= set(path.read_text().splitlines())
