@@ -20,6 +20,7 @@ import json
 import os
 import random
 
+from metatrain.data.noisy import builtin_sets
 from metatrain.errors import ConfigError
 
 FILES = {"train": "train.jsonl", "trusted": "trusted.jsonl", "heldout": "heldout.jsonl"}
@@ -102,19 +103,10 @@ def make_chat(out: str, seed: int = 0, vocab_size: int = 1024, heldout: float = 
     Returns:
       The manifest: conversations per set, the seed, the files.
     """
-    from metatrain.data.sources import open_source
-
     if not 300 <= vocab_size <= 1 << 17:
         raise ConfigError(f"--vocab-size {vocab_size}: give 300 to {1 << 17} tokens")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"--out {out} exists and is not an empty directory; give a new one")
     rng = random.Random(seed)
-    src = open_source("builtin")
-    modules = list(range(len(src)))
-    rng.shuffle(modules)
-    n_held, n_trusted = int(len(modules) * heldout), int(len(modules) * trusted)
-    sets = {"heldout": modules[:n_held], "trusted": modules[n_held:n_held + n_trusted],
-            "train": modules[n_held + n_trusted:]}
+    src, sets = builtin_sets(out, rng, heldout, trusted)
     chats = {name: [c for i in ids for c in conversations(requests_of(src[i]), rng)] for name, ids in sets.items()}
     os.makedirs(out, exist_ok=True)
     for name, rows in chats.items():

@@ -102,6 +102,21 @@ def defect(kind: str, text: str, rng: random.Random, pool: list[str]) -> str:
     raise ValueError(f"unknown defect kind {kind!r}")
 
 
+def builtin_sets(out: str, rng: random.Random, heldout: float, trusted: float) -> tuple[object, dict]:
+    """(the built-in corpus, its documents' indices split into held-out, trusted and training sets at random), once
+    `out` is known to be a new or empty directory."""
+    from metatrain.data.sources import open_source
+
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"--out {out} exists and is not an empty directory; give a new one")
+    src = open_source("builtin")
+    docs = list(range(len(src)))
+    rng.shuffle(docs)
+    n_held, n_trusted = int(len(docs) * heldout), int(len(docs) * trusted)
+    return src, {"heldout": docs[:n_held], "trusted": docs[n_held:n_held + n_trusted],
+                 "train": docs[n_held + n_trusted:]}
+
+
 def make_noisy(out: str, rate: float = 0.3, seed: int = 0, heldout: float = 0.1, trusted: float = 0.1) -> dict:
     """Write OUT/train.jsonl (a fraction `rate` defective, labelled), OUT/trusted.jsonl, OUT/heldout.jsonl (clean)
     and OUT/manifest.json; returns the manifest.
@@ -115,18 +130,10 @@ def make_noisy(out: str, rate: float = 0.3, seed: int = 0, heldout: float = 0.1,
     Returns:
       The manifest: counts per set and per defect kind, the rate, the seed, the files.
     """
-    from metatrain.data.sources import open_source
-
     if not 0 <= rate < 1:
         raise ConfigError(f"--rate {rate}: the fraction of defective documents must be in [0, 1)")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"--out {out} exists and is not an empty directory; give a new one")
     rng = random.Random(seed)
-    src = open_source("builtin")
-    docs = list(range(len(src)))
-    rng.shuffle(docs)
-    n_held, n_trusted = int(len(docs) * heldout), int(len(docs) * trusted)
-    sets = {"heldout": docs[:n_held], "trusted": docs[n_held:n_held + n_trusted], "train": docs[n_held + n_trusted:]}
+    src, sets = builtin_sets(out, rng, heldout, trusted)
     pieces = {name: [p for i in ids for p in pieces_of(src[i], rng)] for name, ids in sets.items()}
     train = pieces["train"]
     labels = ["none"] * len(train)
