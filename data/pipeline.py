@@ -1,8 +1,9 @@
 """Grain next-token pipelines: an inner (train) and an outer (validation) stream over disjoint documents.
 
-documents → [this process's shard] → shuffle(seed), repeat → tokenize (+ end-of-text; optionally
+documents → [this process's shard] → shuffle(seed), repeat → encode (text: tokens + end-of-text;
+conversations: the chat template's tokens and a loss mask on the assistant's, see `formats`; optionally
 corrupt a fraction of inner documents) → concatenate-then-split into rows of seq_len+1 (with segment
-ids and positions, so attention never crosses documents) → batch. The inner stream yields
+ids, positions and the loss mask, so attention never crosses documents) → batch. The inner stream yields
 `[T, batch, seq_len+1]` per outer step, the outer stream `[batch, seq_len+1]` (batch = per process).
 
 With `data.outer_source` (a trusted set) the outer stream and the validation set come from it instead, and
