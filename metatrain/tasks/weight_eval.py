@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from metatrain.data.formats import preview
-from metatrain.data.pipeline import to_global
+from metatrain.data.pipeline import device_features, to_global
 
 
 def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
@@ -72,7 +72,7 @@ class WeightEvaluation:
                 if len(results) >= n and (not self.flagged or
                                           len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
                     break
-                kept.append(to_global(b, self.run.batch_sharding))
+                kept.append(to_global(b, self.run.batch_sharding, (*device_features(cfg.data), "doc")))
                 results.append(jax.device_get(self._fn(meta, kept[-1])))
             self._batches = kept
         else:
