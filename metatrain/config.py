@@ -241,7 +241,7 @@ def validate_population(cfg: Config, cls) -> None:
 
 # model fields a run chooses; the others (the architecture) follow a pretrained checkpoint
 RUN_MODEL_FIELDS = ("head", "remat", "remat_policy", "param_dtype", "compute_dtype", "attention", "attention_block",
-                    "loss_chunk")
+                    "loss_chunk", "scan_layers")
 
 
 def checkpoint_model(source: str, field: str = "inner.init_from") -> tuple[ModelConfig, str] | None:

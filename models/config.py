@@ -54,6 +54,10 @@ class ModelConfig:
     # 0: the next-token loss from [batch, seq, vocab] logits; N > 0: N positions at a time, each chunk's logits
     # recomputed in the backward pass (no [batch, seq, vocab] buffer; forward- and reverse-differentiable)
     loss_chunk: int = 0
+    # true: the blocks run as one `lax.scan` loop over their stacked weights; false: as straight-line code (faster
+    # on CPU for a few small blocks, where the loop's slicing and copies cost more than the blocks; longer compiles
+    # for many). Blocks rematerialised by MixFlow's seeded backward scan stay a loop.
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers"):

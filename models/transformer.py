@@ -312,7 +312,7 @@ class Transformer(nnx.Module):
 
         if self.cfg.remat:
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self.cfg.remat_policy))
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, _ = jax.lax.scan(body, x, stacked, unroll=not self.cfg.scan_layers)
         return self.final_norm(x)
 
 

@@ -108,7 +108,7 @@ def float64():
         yield
 
 
-def test_scan_over_layers_equals_loop_and_remat_is_exact(float64):
+def test_scan_over_layers_equals_loop_and_unrolled_and_remat_is_exact(float64):
     """In float64, so that "exact" can be checked to 1e-12: in float32 the recomputed forward pass may round
     differently (an XLA fusion choice), and a loose tolerance would hide a real difference."""
     cfg = models.preset("tiny", n_layers=3, param_dtype="float64")
@@ -124,14 +124,16 @@ def test_scan_over_layers_equals_loop_and_remat_is_exact(float64):
         x = nnx.merge(bgd, jax.tree.map(lambda a, i=i: a[i], bstate))(x, positions, seg)
     loop_logits = model.final_norm(x) @ params["embed"][...].T
     np.testing.assert_allclose(model(tokens), loop_logits, rtol=1e-12, atol=1e-12)
+    gd_straight, _ = models.init(cfg.replace(scan_layers=False), jax.random.key(0))  # the blocks unrolled
+    np.testing.assert_allclose(nnx.merge(gd_straight, params)(tokens), loop_logits, rtol=1e-12, atol=1e-12)
 
     loss = lambda gd_: lambda p: nnx.merge(gd_, p)(tokens).sum()
     gd_remat, _ = models.init(cfg.replace(remat=True), jax.random.key(0))
     g1 = jax.grad(loss(gd))(params)
-    g2 = jax.grad(loss(gd_remat))(params)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        assert a.dtype == jnp.float64
-        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    for other in (gd_remat, gd_straight):
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(jax.grad(loss(other))(params))):
+            assert a.dtype == jnp.float64
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_score_head_and_logical_axes():
