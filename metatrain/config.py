@@ -82,6 +82,10 @@ class PopulationConfig:
 class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axis
     fsdp: int = 1  # devices each parameter is sharded over (along the embed axis)
+    # a single-process run on CPU: its cores as this many JAX devices, each running its share of the batch on its own
+    # thread (XLA:CPU runs one device's program mostly on one core); 0: one per core, as many as divide data.batch
+    # (with the other mesh keys at their defaults). Left alone where XLA_FLAGS or JAX_NUM_CPU_DEVICES sets a count.
+    cpu_devices: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +212,7 @@ def validate(cfg: Config) -> Config:
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
+    _check(cfg.mesh.cpu_devices >= 0, "mesh.cpu_devices", f"must be >= 0 (0: one per core), got {cfg.mesh.cpu_devices}")
     try:
         cls = task_class(cfg.task)
     except TaskError as e:

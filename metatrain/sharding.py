@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import numpy as np
 from flax import nnx
@@ -15,6 +18,30 @@ from metatrain.errors import ConfigError
 # which every weight matrix has; the rest is replicated. Batches are split over both mesh axes.
 RULES = {"embed": "fsdp"}
 BATCH_AXES = ("data", "fsdp")
+
+
+def cpu_device_count(mesh: MeshConfig, batch: int, population_axis: bool = False) -> int:
+    """The JAX devices `mesh.cpu_devices` asks a CPU host for (0: one per usable core, as many as divide `batch`,
+    where the other mesh keys are at their defaults and there is no population axis; else 1)."""
+    if mesh.cpu_devices:
+        return mesh.cpu_devices
+    if population_axis or dataclasses.replace(mesh, cpu_devices=MeshConfig.cpu_devices) != MeshConfig():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(n for n in range(1, cores + 1) if batch % n == 0)
+
+
+def split_cpu(count: int) -> bool:
+    """Make the CPU backend `count` devices. Call before any JAX operation; returns False (and changes nothing)
+    where XLA_FLAGS or JAX_NUM_CPU_DEVICES already sets a count or the backends have started."""
+    if count == 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or \
+            os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # a JAX operation ran already (e.g. in a notebook or a test's process)
+        return False
+    return True
 
 
 def make_mesh(cfg: MeshConfig, devices=None, population: int = 0) -> jax.sharding.Mesh:

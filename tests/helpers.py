@@ -18,16 +18,17 @@ TINY = ["task=loss_weighting", "model.d_model=16", "model.n_heads=2", "model.d_f
         "eval_batches=1", "eval_every=100000", "log_every=1", "inner_lr=0.01"]
 
 
-def env(devices: int = 1, **extra) -> dict:
-    """The environment of a metatrain subprocess: CPU with `devices` simulated devices, this test directory's
-    task modules importable, and the session's compilation cache (set by conftest)."""
+def env(devices: int | None = 1, **extra) -> dict:
+    """The environment of a metatrain subprocess: CPU with `devices` simulated devices (None: as the run's
+    `mesh.cpu_devices` says), this test directory's task modules importable, and the session's compilation cache
+    (set by conftest)."""
     path = os.pathsep.join([TESTS, os.path.join(TESTS, "metatrain"), os.environ.get("PYTHONPATH", "")])
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
-                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(), **extra)
+    count = "" if devices is None else f" --xla_force_host_platform_device_count={devices}"
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path, XLA_FLAGS=f"{flags}{count}".strip(), **extra)
 
 
-def metatrain(*args, devices: int = 1, background: bool = False, cwd=None, extra_env=None):
+def metatrain(*args, devices: int | None = 1, background: bool = False, cwd=None, extra_env=None):
     """`metatrain ARGS...` in a subprocess: its CompletedProcess (text), or the Popen when `background`."""
     cmd = [sys.executable, "-m", "metatrain.cli", *map(str, args)]
     e = env(devices, **(extra_env or {}))

@@ -26,6 +26,10 @@ def cmd_train(args) -> int:
         overrides.append(f"baseline={args.baseline}")
     cfg, resume = workdir_lib.run_config(preset, overrides, args.resume,
                                          default_preset="pretrain" if args.command == "pretrain" else "default")
+    if joined == "single process":
+        from metatrain.sharding import cpu_device_count, split_cpu
+
+        split_cpu(cpu_device_count(cfg.mesh, cfg.data.batch, cfg.population.axis))
     if args.command == "pretrain":
         from metatrain.pretrain import Pretrainer
 

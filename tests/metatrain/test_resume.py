@@ -62,12 +62,12 @@ def test_exact_resume_after_sigkill_of_a_lora_population_run(tmp_path):
 
 
 def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
-    """A float64 run on 1 device against the same run on 8 devices (mesh 4x2), and against a run whose step-2
-    checkpoint, written on 8 devices, is resumed on 1: the same numbers up to the order of float64 reductions
-    (`assert_same_float64`), on any machine."""
+    """A float64 run on 1 device against the same run on 8 devices (mesh 4x2; the CPU split by `mesh.cpu_devices`),
+    and against a run whose step-2 checkpoint, written on 8 devices, is resumed on 1: the same numbers up to the
+    order of float64 reductions (`assert_same_float64`), on any machine."""
     one, eight, moved = tmp_path / "one", tmp_path / "eight", tmp_path / "moved"
     run = [*SHARED_RUN, *FLOAT64, NO_WANDB]
-    for workdir, devices, extra in ((one, 1, ()), (eight, 8, ("mesh.fsdp=2",))):
+    for workdir, devices, extra in ((one, 1, ()), (eight, None, ("mesh.fsdp=2", "mesh.cpu_devices=8"))):
         out = metatrain("train", *run, f"workdir={workdir}", *extra, devices=devices, extra_env=FLOAT64_ENV)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "4x2 (data x fsdp) devices" in out.stdout
