@@ -119,14 +119,17 @@ def add_model_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="matmuls and activations (parameters, optimizer states, softmax and losses stay float32); "
                         "a variant's +bf16 wins")
+    p.add_argument("--no-scan-layers", action="store_true",
+                   help="the blocks as straight-line code, not a loop (model.scan_layers=false, as the main job)")
     p.add_argument("--kept-states", choices=KEPT_STATES, default="every_step",
                    help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
 
 
 def model_options(args) -> dict:
     """Model options that apply to any preset (ladder grids included)."""
-    return {f: getattr(args, f) for f in ("attention", "attention_block", "compute_dtype")
-            if getattr(args, f, None) is not None}
+    options = {f: getattr(args, f) for f in ("attention", "attention_block", "compute_dtype")
+               if getattr(args, f, None) is not None}
+    return options | ({"scan_layers": False} if getattr(args, "no_scan_layers", False) else {})
 
 
 def model(args, **extra):
