@@ -24,7 +24,10 @@ import tempfile
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before JAX is imported anywhere
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="metatrain-test-jax-cache-")
     os.environ["METATRAIN_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# one CPU device in this process unless asked for more: a run's mesh.cpu_devices=0 (the main job's) would otherwise
+# split the CPU of a test process whose backend has not started yet, for every test that runs in it after
+for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+             "--xla_force_host_platform_device_count=1"):
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
