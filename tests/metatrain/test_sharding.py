@@ -26,9 +26,12 @@ def test_cpu_device_count(monkeypatch, cores, batch, mesh, population_axis, want
 def test_split_cpu_leaves_a_started_backend_and_given_counts_alone(monkeypatch):
     import jax
 
-    jax.devices()  # this process's backend has started
-    assert not split_cpu(1)
-    assert not split_cpu(2)
+    before = len(jax.devices())  # this process's backend has started
+    assert not split_cpu(2)  # the suite's XLA_FLAGS gives a count
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert not split_cpu(2)  # no count given, but the backend has started: jax refuses, nothing changes
+    assert len(jax.devices()) == before
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
     assert not split_cpu(2)
 
