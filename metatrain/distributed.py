@@ -24,6 +24,7 @@ from metatrain.errors import ConfigError
 
 ENV = {"coordinator": "METATRAIN_COORDINATOR", "num_processes": "METATRAIN_NUM_PROCESSES",
        "process_id": "METATRAIN_PROCESS_ID"}
+SINGLE = "single process"  # what `initialize` says when it joined nothing
 
 
 def _detected() -> str | None:
@@ -63,13 +64,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not 0 <= process_id < num_processes:
             raise ConfigError(f"--process-id {process_id} is not in [0, {num_processes})")
         if num_processes == 1:
-            return "single process"
+            return SINGLE
         jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout,
                                    heartbeat_timeout_seconds=heartbeat_timeout)
         return f"process {process_id} of {num_processes} (coordinator {coordinator})" + _no_cpu_cache()
     where = _detected()
     if where is None:
-        return "single process"
+        return SINGLE
     jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout)
     return f"process {jax.process_index()} of {jax.process_count()} ({where})" + _no_cpu_cache()
 

@@ -26,7 +26,7 @@ def cmd_train(args) -> int:
         overrides.append(f"baseline={args.baseline}")
     cfg, resume = workdir_lib.run_config(preset, overrides, args.resume,
                                          default_preset="pretrain" if args.command == "pretrain" else "default")
-    if joined == "single process":
+    if joined == distributed.SINGLE:
         from metatrain.sharding import cpu_device_count, split_cpu
 
         split_cpu(cpu_device_count(cfg.mesh, cfg.data.batch, cfg.population.axis))
