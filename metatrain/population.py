@@ -197,8 +197,9 @@ def step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTransformat
                "finite": ok, "outer_loss_spread": m.values.max() - m.values.min()}
     metrics.update({f"outer_loss/member_{i}": m.values[i] for i in range(pop.size)})
     if "base" in state:  # one model, on member 0's batches
-        base_value, base_aux = outer_loss(task, method)(state["base"]["meta"], state["base"]["inner"],
-                                                        member(batches, 0), member(outer_batch, 0))
+        base = state["base"]
+        base_value, base_aux = outer_loss(task.baseline_task(), method)(base["meta"], base["inner"],
+                                                                        member(batches, 0), member(outer_batch, 0))
         new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
         metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
     return new, metrics

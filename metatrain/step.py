@@ -150,8 +150,9 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
         new["frozen"] = state["frozen"]
     metrics = {"outer_loss": value, "inner_loss": aux.inner_losses.mean(), "meta_grad_norm": grad_norm, "finite": ok}
     if "base" in state:
-        base_value, base_aux = outer_loss(task, method)(state["base"]["meta"], state["base"]["inner"], batches,
-                                                        outer_batch)
+        base = state["base"]
+        base_value, base_aux = outer_loss(task.baseline_task(), method)(base["meta"], base["inner"], batches,
+                                                                        outer_batch)
         new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
         metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
     return new, metrics

@@ -186,6 +186,11 @@ class Task:
         """η of the `baseline=uniform` run, trained on the same batches with η frozen: η itself by default."""
         return meta
 
+    def baseline_task(self) -> Task:
+        """The task whose inner loop the `baseline=uniform` run takes (with `baseline_meta`'s η): this one by
+        default; a task may return a copy that skips work whose result that η fixes."""
+        return self
+
     # ---- the inner model -------------------------------------------------------------------
     def init_params(self, key: jax.Array) -> Pytree:
         """Fresh inner-model parameters θ: the whole model, or under LoRA its adapters (B = 0: base behaviour)."""

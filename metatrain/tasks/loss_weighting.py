@@ -21,6 +21,8 @@ exp(τ) · a pooled scalar head, DataRater's rater; the head starts at zero, so 
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,6 +34,7 @@ from metatrain.tasks.base import Pytree, Task
 class LossWeighting(Task):
     name = "loss_weighting"
     uses_meta_model = True
+    uniform = False  # the baseline's copy (`baseline_task`): every weight 1, the meta model not run
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,6 +60,13 @@ class LossWeighting(Task):
         """exp(τ) underflows to 0: every score is 0 and every weight exactly 1, whatever the meta model."""
         return dict(meta, log_temperature=jnp.full_like(meta["log_temperature"], -1e4))
 
+    def baseline_task(self) -> LossWeighting:
+        """A copy whose weights are all 1 without running the meta model: what `baseline_meta`'s η gives (exactly,
+        for a batch of a power of two), at no cost."""
+        bound = copy.copy(self)
+        bound.uniform = True
+        return bound
+
     def scores(self, meta: Pytree, batch: dict) -> jax.Array:
         """exp(τ) · mean log-likelihood of each example under the meta model (with a score head: exp(τ) · its pooled
         scalar): [batch]. Higher → more weight."""
@@ -71,6 +81,8 @@ class LossWeighting(Task):
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:
         """α(η, x): [batch], positive, mean 1."""
+        if self.uniform:
+            return jnp.ones(batch["tokens"].shape[:1], self.meta_model.dtype)
         scores = self.scores(meta, batch)
         return scores.shape[0] * jax.nn.softmax(scores)
 

@@ -144,3 +144,26 @@ def test_a_task_that_brings_its_own_model_trains_checks_and_compiles(tmp_path):
     res = metatrain("eval", tmp_path / "run")
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, "brings its own model, not a language model")
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_the_loss_weighting_baseline_skips_the_meta_model_and_weighs_uniformly(batch):
+    task = make_task("loss_weighting", model=CFG)
+    meta = task.init_meta(jax.random.key(0))
+    theta = task.init_inner(jax.random.key(1), meta)[0]
+    b = step.random_batches(DataConfig(inner_steps=1, batch=batch, seq_len=8), CFG.vocab_size, jax.random.key(2))[0]
+    b = jax.tree.map(lambda x: x[0], b)
+    frozen_meta = task.baseline_meta(meta)
+    uniform = task.baseline_task()
+    assert not task.uniform and uniform.uniform
+    assert jnp.array_equal(uniform.weights(frozen_meta, b), jnp.ones(batch))
+    # η's meta model is not part of the baseline's computation: its gradient is exactly zero
+    d_meta = jax.grad(lambda m: uniform.inner_loss(theta, m, b))(frozen_meta)
+    assert all(not jnp.any(g) for g in jax.tree.leaves(d_meta))
+    # the frozen η's weights are B · softmax(0) = 1 up to rounding (exactly 1 for a power of two)
+    value, grads = jax.value_and_grad(task.inner_loss)(theta, frozen_meta, b)
+    value_u, grads_u = jax.value_and_grad(uniform.inner_loss)(theta, frozen_meta, b)
+    tol = 0 if batch == 4 else 4e-7  # B · fl(1/B) is within 2 float32 ulps of 1 for B=3
+    assert abs(float(value - value_u)) <= tol * abs(float(value))
+    for g, gu in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_u), strict=True):
+        assert jnp.allclose(g, gu, rtol=tol, atol=tol * float(jnp.abs(g).max()) + 1e-30)
