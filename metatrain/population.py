@@ -163,7 +163,9 @@ def run_members(task: Task, method: MetaGradMethod, pop: PopulationConfig, seed:
     mean = lambda tree: None if tree is None else jax.tree.map(lambda x: x / n, tree)
     if pop.axis:  # every member at once (over the population mesh axis); the sums over it are all-reduces
         zero_carry = (zeros, zeros if per_member_opt else None)
-        (grads, updates), (values, inner_losses, norms, inners, opts) = jax.vmap(lambda x: one(zero_carry, x))(xs)
+        # spmd_axis_name: the activations' sharding constraints inside keep the members over that axis
+        (grads, updates), (values, inner_losses, norms, inners, opts) = jax.vmap(
+            lambda x: one(zero_carry, x), spmd_axis_name="population")(xs)
         total = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sum(0), tree)
         return Members(values, inner_losses, norms, inners, opts, mean(total(grads)), mean(total(updates)))
     (grad_sum, update_sum), (values, inner_losses, norms, inners, opts) = jax.lax.scan(

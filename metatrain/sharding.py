@@ -13,11 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from metatrain.config import MeshConfig
 from metatrain.errors import ConfigError
+from metatrain.models.transformer import BATCH_AXES
 
 # Logical axis → mesh axis. FSDP shards every parameter (and its optimizer state) along `embed`,
-# which every weight matrix has; the rest is replicated. Batches are split over both mesh axes.
+# which every weight matrix has; the rest is replicated. Batches, and the activations in the model
+# (`models.transformer.batch_sharded`), are split over both mesh axes (BATCH_AXES).
 RULES = {"embed": "fsdp"}
-BATCH_AXES = ("data", "fsdp")
 
 
 def cpu_device_count(mesh: MeshConfig, batch: int, population_axis: bool = False) -> int:

@@ -327,8 +327,9 @@ def lower(program: Program) -> jax.stages.Lowered:
     """
     step = jax.jit(program.step, donate_argnums=0,
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
-    return step.lower(abstract(program.state_shapes, program.state_shardings),
-                      *batch_specs(program.data, program.mesh, program.members))
+    with jax.set_mesh(program.mesh):  # the model splits its activations over the mesh as the batch (batch_sharded)
+        return step.lower(abstract(program.state_shapes, program.state_shardings),
+                          *batch_specs(program.data, program.mesh, program.members))
 
 
 def init(program: Program, key: jax.Array) -> State:

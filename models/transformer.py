@@ -19,6 +19,24 @@ from metatrain.models import grad_seed
 from metatrain.models.config import ModelConfig
 from metatrain.models.lora import WEIGHTS, LoRAConfig, adapted, attach
 
+# The mesh axes a batch is split over (`metatrain.sharding`'s data x fsdp). Under FSDP the weights are split along
+# `embed`; left to itself, XLA's sharding propagation carries that split into the activations and every device
+# computes its member's whole batch. `batch_sharded` pins the activations' batch axis to these mesh axes.
+BATCH_AXES = ("data", "fsdp")
+
+
+def batch_sharded(x: jax.Array) -> jax.Array:
+    """`x` with its leading (batch) axis split over the data x fsdp axes of the mesh set by `jax.set_mesh` (as the
+    Trainer traces its step), where there is such a mesh of more than one device and it divides the batch; else
+    `x` itself. Under `jax.vmap(..., spmd_axis_name=...)` the mapped axis keeps its own mesh axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if n == 1 or x.shape[0] % n:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(BATCH_AXES))
+
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
@@ -300,15 +318,16 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.activation_dtype)  # [batch, seq, d_model]
+        x = batch_sharded(x)
 
         graphdef, stacked = nnx.split(self.blocks)
         seeds = grad_seed.lookup(stacked) if grad_seed.seedable(self.cfg) else None
         if seeds is not None:  # inside MixFlow's Hessian-vector product: θ̄ + H ḡ accumulated in place
-            apply = lambda state, h, pos, seg: nnx.merge(graphdef, state)(h, pos, seg)
+            apply = lambda state, h, pos, seg: batch_sharded(nnx.merge(graphdef, state)(h, pos, seg))
             return self.final_norm(grad_seed.scan(apply, x, stacked, seeds, (positions, segment_ids)))
 
         def body(x, block_state):
-            return nnx.merge(graphdef, block_state)(x, positions, segment_ids), None
+            return batch_sharded(nnx.merge(graphdef, block_state)(x, positions, segment_ids)), None
 
         if self.cfg.remat:
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self.cfg.remat_policy))

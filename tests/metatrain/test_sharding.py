@@ -39,3 +39,23 @@ def test_split_cpu_leaves_a_started_backend_and_given_counts_alone(monkeypatch):
 def test_a_negative_cpu_device_count_is_refused():
     with pytest.raises(ConfigError, match="mesh.cpu_devices"):
         config_lib.load(None, ["mesh.cpu_devices=-1"])
+
+
+@pytest.mark.tpu_backend
+@pytest.mark.parametrize("population", [0, 2])
+def test_fsdp_splits_the_activations_batch_over_the_devices(population):
+    """Compiled for 4 TPU chips (FSDP, or 2 members side by side over FSDP pairs), every [batch, seq, d_ff] MLP
+    activation a chip holds has its share of the batch: 8 sequences over 4 chips, or a member's 8 over 2."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    import re
+
+    from metatrain import step
+    from metatrain.bench.compile import program_for
+
+    pop = [f"population.size={population}", "population.axis=true"] if population else []
+    cfg = config_lib.load("default", ["model.d_ff=384", "model.scan_layers=true", "data.batch=8", "data.seq_len=24",
+                                      "mesh.fsdp=-1", "mesh.cpu_devices=1", *pop])
+    program, _ = program_for(cfg, "v5p:2x2x1")
+    text = step.lower(program).compile().as_text()
+    batches = {int(b) for b in re.findall(r"(\d+),24,384\]", text)}  # the dim before [seq, d_ff]
+    assert batches == {8 // (2 if population else 4)}, batches
