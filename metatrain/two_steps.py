@@ -7,7 +7,8 @@ cotangents, which the first step's backward pass needs, are formed from it after
 into θ̄_2's buffer in place (`models.grad_seed`): the accumulator is a copy, one float32 parameter-sized buffer at
 the backward pass's peak. Here one custom VJP covers both steps and the outer loss, and the moments' cotangents are
 formed after the last step's HVP from θ̄_2 *recomputed* (one more forward and backward pass of the outer loss), so
-θ̄_2 dies into the accumulator.
+θ̄_2 dies into the accumulator. Without the in-place accumulation (a plan that is not `seeded`: no block remat)
+there is nothing to gain by it, and θ̄_2 is kept instead.
 
 The forward pass keeps the inputs (θ_0, υ_0), ∇L_0 and ∇L_1, and the outer loss's own residuals; θ_1 and υ_1 are
 re-formed from them by the first step's update (an elementwise pass) wherever the backward pass needs them, rather
@@ -26,10 +27,11 @@ from metatrain import mixflow
 from metatrain.tasks import Task
 
 
-def run(task: Task, inner_loss: Callable) -> Callable:
+def run(task: Task, inner_loss: Callable, seeded: bool = True) -> Callable:
     """`f(carry, batches, meta, frozen, outer_batch) -> (V, inner_losses [2], (θ_2, υ_2))`, carry = (θ_0, υ_0),
     batches with a leading [2] axis; `frozen` the LoRA base weights (None without LoRA; no cotangent), passed to
-    `inner_loss(theta, meta, batch, frozen)` as in `unroll.stored_step`."""
+    `inner_loss(theta, meta, batch, frozen)` as in `unroll.stored_step`. `seeded`: the plan's (`plan.Plan`); only
+    then is θ̄_2 recomputed after the last step's HVP."""
     outer = lambda theta, meta, batch, frozen: task.with_frozen(frozen).outer_loss(theta, meta, batch)
     plain = jax.value_and_grad(inner_loss)
     hvp = mixflow.backward(inner_loss, "mixflow", frozen_argnums=(2,))
@@ -75,10 +77,11 @@ def run(task: Task, inner_loss: Callable) -> Callable:
 
         # the moments' cotangents, from θ̄_2 recomputed after the HVP: the barrier ties the recomputation's inputs to
         # the HVP's result, so it runs after it and XLA cannot merge it with the first outer pass
-        theta0, g0, g1, d_theta1 = jax.lax.optimization_barrier((theta0, g0, g1, d_theta1))
-        theta1, opt1 = step1_inputs()
-        theta2 = task.update(g1, theta1, opt1, meta)[0]
-        bar2 = plus_ct_theta2(jax.vjp(lambda th: outer(th, meta, outer_batch, frozen), theta2)[1](ct_value)[0])
+        if seeded:
+            theta0, g0, g1, d_theta1 = jax.lax.optimization_barrier((theta0, g0, g1, d_theta1))
+            theta1, opt1 = step1_inputs()
+            theta2 = task.update(g1, theta1, opt1, meta)[0]
+            bar2 = plus_ct_theta2(jax.vjp(lambda th: outer(th, meta, outer_batch, frozen), theta2)[1](ct_value)[0])
         ct_opt1 = jax.vjp(task.update, g1, theta1, opt1, meta)[1]((bar2, ct_opt2))[2]
 
         # the first step, as `stored_step`'s backward pass (the barrier as there: the HVP's compute-dtype copies of

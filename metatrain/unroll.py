@@ -109,7 +109,8 @@ def outer_loss(task: Task, method: MetaGradMethod) -> Callable:
         chosen = plan_lib.choose(method, jax.tree.leaves(batches)[0].shape[0], task.model)
         start = task.inner_start(meta, inner)
         if chosen.step == "two_steps":
-            value, inner_losses, final = two_steps.run(task, inner_loss)(start, batches, meta, task.frozen, outer_batch)
+            value, inner_losses, final = two_steps.run(task, inner_loss, chosen.seeded)(start, batches, meta,
+                                                                                        task.frozen, outer_batch)
             return value, OuterAux(final, inner_losses)
         step = (stored_step if chosen.step == "stored" else checkpointed_step)(task, method, inner_loss)
         final, inner_losses = unrolled(lambda c, b: step(c, b, meta, task.frozen), start, batches, chosen.loop,
