@@ -153,7 +153,7 @@ def outer_step(task: Task, method: MetaGradMethod, meta_opt: optax.GradientTrans
         base = state["base"]
         base_value, base_aux = outer_loss(task.baseline_task(), method)(base["meta"], base["inner"], batches,
                                                                         outer_batch)
-        new["base"] = {"meta": state["base"]["meta"], "inner": base_aux.inner}
+        new["base"] = {"meta": base["meta"], "inner": base_aux.inner}
         metrics.update(baseline_outer_loss=base_value, baseline_inner_loss=base_aux.inner_losses.mean())
     return new, metrics
 

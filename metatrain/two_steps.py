@@ -75,8 +75,9 @@ def run(task: Task, inner_loss: Callable, seeded: bool = True) -> Callable:
         ct_g1, ct_theta1, _, ct_meta1 = jax.vjp(task.update, g1, theta1, opt1, meta)[1]((bar2, ct_opt2))
         d_theta1, d_meta1, d_b1, _ = hvp(theta1, (meta, b1, frozen), ct_l[1], ct_g1, ct_theta1)
 
-        # the moments' cotangents, from θ̄_2 recomputed after the HVP: the barrier ties the recomputation's inputs to
-        # the HVP's result, so it runs after it and XLA cannot merge it with the first outer pass
+        # the moments' cotangents, from θ̄_2: seeded, recomputed after the HVP (the barrier ties the recomputation's
+        # inputs to the HVP's result, so it runs after it and XLA cannot merge it with the first outer pass); else
+        # the one formed above, kept
         if seeded:
             theta0, g0, g1, d_theta1 = jax.lax.optimization_barrier((theta0, g0, g1, d_theta1))
             theta1, opt1 = step1_inputs()
