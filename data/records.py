@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from metatrain.data.formats import Fields
-from metatrain.data.sources import _files, json_record
+from metatrain.data.sources import _files, json_record, table_fields
 from metatrain.errors import DataError
 
 FORMATS = {"jsonl:": "jsonl", "parquet:": "parquet"}
@@ -142,30 +142,18 @@ def _line_number(path: str, offset: int) -> int:
 
 
 def _parquet(paths, mine: Share, fields: Fields, id_field: str | None):
-    import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from metatrain.data.sources import _placeholder
 
     done, opened = 0, {}
     before = np.cumsum([0] + [pq.ParquetFile(p).metadata.num_rows for p in paths])  # rows of the earlier files
     for k, g in mine.spans:
         pf = opened.get(k) or opened.setdefault(k, pq.ParquetFile(paths[k]))
         schema = pf.schema_arrow
-        fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, paths[k])
+        fields = table_fields(schema, fields, paths[k])
         columns = fields.columns()
-        for column in columns:
-            if column not in schema.names:
-                raise DataError(f"{paths[k]}: no column {column!r} (columns: {schema.names[:8]}); name the "
-                                f"{'text' if fields.format == 'text' else 'messages'} column with "
-                                f"data.{'text' if fields.format == 'text' else 'messages'}_field")
         first = sum(pf.metadata.row_group(i).num_rows for i in range(g))
         with_ids = id_field is not None and id_field in schema.names
         group = pf.read_row_group(g, columns=columns + ([id_field] if with_ids else []))
-        if fields.format == "text":
-            column = group.column(fields.text_field)
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise DataError(f"{paths[k]}: column {fields.text_field!r} is {column.type}, not text")
         values = {c: group.column(c).to_pylist() for c in columns}
         ids = group.column(id_field).to_pylist() if with_ids else [None] * group.num_rows
         for i, doc_id in enumerate(ids):

@@ -124,22 +124,10 @@ class Table:
     Text is a string column; messages, prompts and completions are read as Python values."""
 
     def __init__(self, name: str, table, fields: Fields, id_field: str):
-        import pyarrow as pa
-
         if table.num_rows == 0:
             raise DataError(f"data source {name}: no documents (0 rows)")
         self.name = name
-        self.fields = fields = fields.detect({c: _placeholder(table.schema.field(c).type) for c in table.column_names},
-                                             f"data source {name}")
-        for column in fields.columns():
-            if column not in table.column_names:
-                what = "text" if fields.format == "text" else fields.format
-                raise DataError(f"data source {name}: no column {column!r} (columns: {table.column_names[:8]}); "
-                                f"name the {what} column with data.{'text' if what == 'text' else 'messages'}_field")
-        if fields.format == "text":
-            text = table.column(fields.text_field)
-            if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
-                raise DataError(f"data source {name}: column {fields.text_field!r} is {text.type}, not text")
+        self.fields = fields = table_fields(table.schema, fields, f"data source {name}")
         for column in fields.columns():
             values = table.column(column)
             if values.null_count:
@@ -162,6 +150,25 @@ class Table:
 
     def where(self, i: int) -> str:
         return f"data source {self.name}: row {int(i)}"
+
+
+def table_fields(schema, fields: Fields, where: str) -> Fields:
+    """The document fields of Arrow data with `schema` (a table, or a Parquet file read by row groups): its format
+    found as a JSON record's, its document columns there, a text column holding strings. `where` (the source, or
+    the file) starts each error."""
+    import pyarrow as pa
+
+    fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, where)
+    for column in fields.columns():
+        if column not in schema.names:
+            what = "text" if fields.format == "text" else fields.format
+            raise DataError(f"{where}: no column {column!r} (columns: {schema.names[:8]}); name the {what} column "
+                            f"with data.{'text' if what == 'text' else 'messages'}_field")
+    if fields.format == "text":
+        kind = schema.field(fields.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{where}: column {fields.text_field!r} is {kind}, not text")
+    return fields
 
 
 def _placeholder(arrow_type):
