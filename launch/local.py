@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from metatrain.entry import hugepage_env
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,6 +42,7 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
                    METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES=str(processes),
                    METATRAIN_PROCESS_ID=str(i))
+        env = hugepage_env(env) or env  # as the `metatrain` program has it
         pipe = None if i == 0 else subprocess.PIPE
         p = subprocess.Popen([sys.executable, "-m", "metatrain.cli", *command], env=env, stdout=pipe,
                              stderr=None if i == 0 else subprocess.STDOUT)
