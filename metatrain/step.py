@@ -333,7 +333,8 @@ def lower(program: Program) -> jax.stages.Lowered:
 
 
 def init(program: Program, key: jax.Array) -> State:
-    """The initial state, allocated with its shardings.
+    """The initial state, allocated with its shardings. It runs once: on CPU it is compiled without LLVM's
+    optimisations (the main job's: 4.5 s -> 2.4 s to compile; the same state).
 
     Args:
       program: a `Program`.
@@ -342,4 +343,6 @@ def init(program: Program, key: jax.Array) -> State:
     Returns:
       The state dict (step, η, meta-optimizer state, inner state, ...), placed on the program's mesh.
     """
-    return jax.jit(program.init, out_shardings=program.state_shardings)(key)
+    lowered = jax.jit(program.init, out_shardings=program.state_shardings).lower(key)
+    cpu = program.mesh.devices.flat[0].platform == "cpu"
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if cpu else None)(key)
