@@ -159,11 +159,12 @@ def table_fields(schema, fields: Fields, where: str) -> Fields:
     import pyarrow as pa
 
     fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, where)
+    hint = {"text": "name the text column with data.text_field", "chat": "name the chat column with "
+            "data.messages_field", "prompt_completion": "data.format=prompt_completion needs both columns, "
+            "'prompt' and 'completion'"}[fields.format]
     for column in fields.columns():
         if column not in schema.names:
-            what = "text" if fields.format == "text" else fields.format
-            raise DataError(f"{where}: no column {column!r} (columns: {schema.names[:8]}); name the {what} column "
-                            f"with data.{'text' if what == 'text' else 'messages'}_field")
+            raise DataError(f"{where}: no column {column!r} (columns: {schema.names[:8]}); {hint}")
     if fields.format == "text":
         kind = schema.field(fields.text_field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):

@@ -98,6 +98,17 @@ def test_bad_sources_give_one_line_naming_the_source_or_field(tmp_path):
         assert "\n" not in message and all(n in message for n in needles), (spec, message)
 
 
+@pytest.mark.parametrize("fmt,columns,needles", [
+    ("chat", {"text": ["a"]}, ["no column 'messages'", "data.messages_field"]),
+    ("prompt_completion", {"prompt": ["a"]}, ["no column 'completion'", "both columns, 'prompt' and 'completion'"]),
+])
+def test_a_missing_parquet_column_names_what_the_format_needs(tmp_path, fmt, columns, needles):
+    pq.write_table(pa.table(columns), tmp_path / "t.parquet")
+    with pytest.raises(DataError) as e:
+        open_source(f"parquet:{tmp_path / 't.parquet'}", format=fmt)[0]
+    assert all(n in str(e.value) for n in needles), str(e.value)
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.bin").write_bytes(b"\xff\xfe\x00bad")
