@@ -334,7 +334,7 @@ def lower(program: Program) -> jax.stages.Lowered:
 
 def init(program: Program, key: jax.Array) -> State:
     """The initial state, allocated with its shardings. It runs once: on CPU it is compiled without LLVM's
-    optimisations (the main job's: 4.5 s -> 2.4 s to compile; the same state).
+    optimisations (the main job's: 4.5 s -> 2.4 s to compile; its values may differ by one float32 ulp).
 
     Args:
       program: a `Program`.
