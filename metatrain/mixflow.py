@@ -28,7 +28,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from metatrain.errors import ConfigError
-from metatrain.models import grad_seed
+from metatrain.models import dense, grad_seed
 
 MODES = ("autodiff", "mixflow", "revfwd")
 
@@ -135,7 +135,8 @@ def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
 
             def objective(p, fl):
                 zeros = [jnp.zeros_like(x) for x in fl]
-                value, along_v = jax.jvp(loss_of, (p, fl), (ct_grad, zeros))
+                with dense.plain():  # forward mode on the loss: the model's custom-VJP products are off
+                    value, along_v = jax.jvp(loss_of, (p, fl), (ct_grad, zeros))
                 return along_v if ct_loss is None else ct_loss.astype(value.dtype) * value + along_v
 
             d_params, d_inputs = jax.grad(objective, argnums=(0, 1))(params, floats)

@@ -31,6 +31,7 @@ import optax
 from metatrain import population
 from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig, device_features
+from metatrain.models import dense
 from metatrain.plan import Plan
 from metatrain.plan import choose as choose_plan
 from metatrain.sharding import abstract, batch_sharding, replicated, tree_shardings
@@ -327,7 +328,10 @@ def lower(program: Program) -> jax.stages.Lowered:
     """
     step = jax.jit(program.step, donate_argnums=0,
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
-    with jax.set_mesh(program.mesh):  # the model splits its activations over the mesh as the batch (batch_sharded)
+    cpu = program.mesh.devices.flat[0].platform == "cpu"
+    # the model splits its activations over the mesh as the batch (batch_sharded); on CPU its widening products'
+    # weight gradients transpose the narrower operand (models.dense)
+    with jax.set_mesh(program.mesh), dense.cpu_products(cpu):
         return step.lower(abstract(program.state_shapes, program.state_shardings),
                           *batch_specs(program.data, program.mesh, program.members))
 

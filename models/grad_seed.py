@@ -22,6 +22,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from metatrain.models import dense
+
 _TABLE: contextvars.ContextVar = contextvars.ContextVar("gradient_seeds", default=None)
 
 
@@ -75,7 +77,10 @@ def _forward(apply, treedef, x, leaves, extras):
     def body(h, layer):
         return apply(jax.tree.unflatten(treedef, layer), h, *extras), h
 
-    return jax.lax.scan(body, x, leaves)  # (output, each layer's input [layers, batch, seq, d_model])
+    # forward only, and under MixFlow's JVP differentiated forward (as this custom VJP's fwd): plain products, as
+    # forward mode needs (models.dense); the gradient is _bwd's
+    with dense.plain():
+        return jax.lax.scan(body, x, leaves)  # (output, each layer's input [layers, batch, seq, d_model])
 
 
 def _fwd(apply, treedef, x, leaves, seeds, extras):

@@ -17,6 +17,7 @@ from flax import nnx
 
 from metatrain.models import grad_seed
 from metatrain.models.config import ModelConfig
+from metatrain.models.dense import dense
 from metatrain.models.lora import WEIGHTS, LoRAConfig, adapted, attach
 
 # The mesh axes a batch is split over (`metatrain.sharding`'s data x fsdp). Under FSDP the weights are split along
@@ -220,7 +221,7 @@ class MLP(nnx.Module):
         attach(self, lora, shapes, rngs, cfg.dtype)
 
     def _matmul(self, x, name):  # x @ W (+ its low-rank update)
-        return adapted(self, name, x @ getattr(self, WEIGHTS[name])[...].astype(x.dtype), x)
+        return adapted(self, name, dense(x, getattr(self, WEIGHTS[name])[...].astype(x.dtype)), x)
 
     def __call__(self, x):  # [batch, seq, d_model]
         h = self._matmul(x, "up")  # [batch, seq, d_ff]
@@ -278,7 +279,7 @@ class Transformer(nnx.Module):
             valid = (segment_ids > 0).astype(x.dtype)[..., None]  # [batch, seq, 1]
             pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1)  # [batch, d_model]
             return (pooled @ self.out[...].astype(x.dtype))[:, 0]  # [batch]
-        return x @ self.unembedding.astype(x.dtype)  # [batch, seq, vocab]: the loss takes it to float32
+        return dense(x, self.unembedding.astype(x.dtype))  # [batch, seq, vocab]: the loss takes it to float32
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
@@ -361,7 +362,7 @@ def chunked_next_token_loss(x, w_out, tokens_out, segment_ids=None, chunk: int =
     @jax.checkpoint
     def body(total, part):
         xc, tc, vc = part  # [batch, chunk, d_model], [batch, chunk], [batch, chunk]
-        logits = (xc @ w_out.astype(xc.dtype)).astype(compute_dtype(xc.dtype))  # [batch, chunk, vocab]
+        logits = dense(xc, w_out.astype(xc.dtype)).astype(compute_dtype(xc.dtype))  # [batch, chunk, vocab]
         target = jax.nn.one_hot(tc, logits.shape[-1], dtype=logits.dtype)
         nll = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(target * logits, axis=-1)  # [batch, chunk]
         return total + jnp.where(vc, nll, 0).sum(-1), None
