@@ -328,10 +328,9 @@ def lower(program: Program) -> jax.stages.Lowered:
     """
     step = jax.jit(program.step, donate_argnums=0,
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
-    cpu = program.mesh.devices.flat[0].platform == "cpu"
     # the model splits its activations over the mesh as the batch (batch_sharded); on CPU its widening products'
     # weight gradients transpose the narrower operand (models.dense)
-    with jax.set_mesh(program.mesh), dense.cpu_products(cpu):
+    with jax.set_mesh(program.mesh), dense.cpu_products(_on_cpu(program)):
         return step.lower(abstract(program.state_shapes, program.state_shardings),
                           *batch_specs(program.data, program.mesh, program.members))
 
@@ -348,5 +347,8 @@ def init(program: Program, key: jax.Array) -> State:
       The state dict (step, η, meta-optimizer state, inner state, ...), placed on the program's mesh.
     """
     lowered = jax.jit(program.init, out_shardings=program.state_shardings).lower(key)
-    cpu = program.mesh.devices.flat[0].platform == "cpu"
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if cpu else None)(key)
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if _on_cpu(program) else None)(key)
+
+
+def _on_cpu(program: Program) -> bool:
+    return program.mesh.devices.flat[0].platform == "cpu"
