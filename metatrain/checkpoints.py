@@ -62,12 +62,19 @@ def _first_line(e: Exception) -> str:
 
 # What a failed read of a damaged checkpoint leaves behind: TensorStore's other reads of it fail too, or finish after
 # Orbax closed the event loop they report to. Their errors surface one by one, as asyncio's "exception was never
-# retrieved" log records and through `sys.unraisablehook`, a traceback each. The failure is reported once, in one line.
+# retrieved" log records and through `sys.unraisablehook`, a traceback each, some of them after training resumed. The
+# failure is reported once, in one line: errors that start like Orbax's (`_FAILED_READ`) or name a file of a checkpoint
+# found damaged (`_DAMAGED`, its directory; TensorStore's own, e.g. "OUT_OF_RANGE: Error reading ... at local file
+# <dir>/<step>/state/...") are dropped.
 _FAILED_READ = ("Encountered error while reading", "Event loop is closed")
+_DAMAGED: set[str] = set()
 
 
 def _from_failed_read(e: BaseException | None) -> bool:
-    return e is not None and str(e).startswith(_FAILED_READ)
+    if e is None:
+        return False
+    text = str(e)
+    return text.startswith(_FAILED_READ) or any(path in text for path in _DAMAGED)
 
 
 class _FailedReadFilter(logging.Filter):
@@ -75,9 +82,11 @@ class _FailedReadFilter(logging.Filter):
         return not (record.exc_info and _from_failed_read(record.exc_info[1]))
 
 
-def _silence_failed_reads() -> None:
-    """From the first failed read on, the stray errors of the other reads (`_FAILED_READ`) are dropped; other
-    unraisable exceptions and asyncio records go where they went. Those already pending are collected now."""
+def _silence_failed_reads(checkpoint: str) -> None:
+    """From the first failed read of `checkpoint` (a step's directory) on, the stray errors of the other reads are
+    dropped; other unraisable exceptions and asyncio records go where they went. Those already pending are collected
+    now."""
+    _DAMAGED.add(os.path.join(checkpoint, ""))
     if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger("asyncio").filters):
         logging.getLogger("asyncio").addFilter(_FailedReadFilter())
     if not getattr(sys.unraisablehook, "drops_failed_reads", False):  # ours, unless something replaced it since
@@ -126,7 +135,7 @@ class Checkpoints:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(state_target), **other_items))
             except Exception as e:  # noqa: BLE001
-                _silence_failed_reads()
+                _silence_failed_reads(os.path.join(self.dir, str(step)))
                 damaged.append((step, _first_line(e)))
                 continue
             self._set_aside(damaged, log)

@@ -1,6 +1,9 @@
 """The reliability findings of the newcomer review, one test each: every bad input gives one line naming the
 field or file and exit 2, and no exit path loses or damages a checkpoint."""
 
+import asyncio
+import gc
+import logging
 import os
 import shutil
 import signal
@@ -14,6 +17,7 @@ import optax
 import pytest
 from helpers import TINY, checkpoints, env, metatrain, one_line_error, saved_state, train
 
+from metatrain import checkpoints as checkpoints_lib
 from metatrain import cli, step
 from metatrain.workdir import Lock
 
@@ -151,6 +155,38 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_newest_intact_one_used
     assert "resuming the run in" in res.stdout and "from step 2" in res.stdout
     # a fresh checkpoint 4 could be saved: the damaged one is out of the way
     assert checkpoints(workdir) == [2, 4, 5] and (workdir / "checkpoints" / "damaged-4").is_dir()
+
+
+def test_late_errors_of_a_damaged_checkpoints_reads_are_dropped(tmp_path, monkeypatch, caplog):
+    """TensorStore's other reads of a damaged checkpoint fail after the first, some once training has resumed, each
+    an asyncio "exception was never retrieved" record or an unraisable exception: dropped when they name a file of
+    the damaged checkpoint (whatever their first words), kept for any other checkpoint (40 is not 4)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))  # what it wraps
+    monkeypatch.setattr(checkpoints_lib, "_DAMAGED", set())
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", list(asyncio_log.filters))
+    root = tmp_path / "checkpoints"
+    checkpoints_lib._silence_failed_reads(str(root / "4"))
+    late = 'OUT_OF_RANGE: Error reading "w_out/0.0.0" in OCDBT database at local file "{}/state/": byte range'
+    mine, other = ValueError(late.format(root / "4")), ValueError(late.format(root / "40"))
+
+    def never_retrieved(error):
+        loop = asyncio.new_event_loop()
+        future = loop.create_future()
+        future.set_exception(error)
+        del future
+        gc.collect()
+        loop.close()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        never_retrieved(mine)
+        never_retrieved(other)
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [other]
+    for error in (mine, other):
+        sys.unraisablehook(type("Unraisable", (), dict(exc_type=ValueError, exc_value=error, exc_traceback=None,
+                                                         err_msg="Exception ignored in", object=None))())
+    assert unraisable == [other]
 
 
 def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
