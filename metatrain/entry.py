@@ -1,5 +1,5 @@
 """The `metatrain` program: relaunched once so that glibc backs its large allocations with transparent huge pages,
-then the command line.
+kept to the CPU where libtpu is installed but there is no TPU, then the command line.
 
 XLA:CPU allocates the temporaries of each run of a compiled program anew, as one block (about 170 MB per device for
 the main job's outer step), and frees it after the run. glibc serves a block that large with fresh pages from the
@@ -9,16 +9,26 @@ times fewer faults). Tunables are read only when a process starts, hence the rel
 arguments and environment plus the tunable, before anything heavy is imported. It is skipped where it cannot help:
 not glibc 2.35 or later, transparent huge pages `always` (the kernel does it already) or `never`, or
 GLIBC_TUNABLES already naming `glibc.malloc.hugetlb` (`GLIBC_TUNABLES=glibc.malloc.hugetlb=0` turns it off).
+
+libtpu (the `tpu` extra) lets a CPU machine compile TPU programs ahead of time. Where it is installed, JAX also tries
+to start it as a backend on every command, and on a machine without TPU chips libtpu prints errors about finding no
+TPU (accelerator type, worker hostnames) before JAX falls back to the CPU. There, with no other JAX plugin (a GPU's)
+and JAX_PLATFORMS unset, the program sets JAX_PLATFORMS=cpu: the same run, without the errors; TPU programs still
+compile ahead of time.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
+import importlib.util
 import os
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-SYSTEM = "system"  # hugepage_env's default: this machine's
+SYSTEM = "system"  # hugepage_env's and cpu_env's default: this machine's
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus (what JAX's own TPU check reads)
 
 
 def _glibc_version() -> tuple[int, ...] | None:
@@ -71,8 +81,54 @@ def relaunch() -> None:
         pass
 
 
+def _tpu_chips() -> bool:
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(path) as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _other_plugins() -> bool:
+    """Whether a JAX plugin besides libtpu is installed (e.g. CUDA's), by its entry point or `jax_plugins` module."""
+    try:
+        entry_points = importlib.metadata.entry_points(group="jax_plugins")
+    except Exception:  # noqa: BLE001 — broken metadata: assume a plugin, change nothing
+        return True
+    return bool(entry_points) or importlib.util.find_spec("jax_plugins") is not None
+
+
+def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> dict | None:
+    """The environment that keeps JAX to the CPU where libtpu is installed on a machine without TPU chips, or None
+    where it does not apply (see the module's docstring).
+
+    Args:
+      environ: the current environment.
+      libtpu: whether libtpu is installed; by default whether this Python finds it.
+      tpu_chips: whether the machine has TPU chips; by default whether its PCI bus shows Google's devices.
+      other_plugins: whether another JAX plugin is installed; by default this Python's.
+
+    Returns:
+      `environ` with JAX_PLATFORMS=cpu, or None.
+    """
+    if "JAX_PLATFORMS" in environ:
+        return None
+    libtpu = importlib.util.find_spec("libtpu") is not None if libtpu == SYSTEM else libtpu
+    if not libtpu or (_tpu_chips() if tpu_chips == SYSTEM else tpu_chips):
+        return None
+    if _other_plugins() if other_plugins == SYSTEM else other_plugins:
+        return None
+    return {**environ, "JAX_PLATFORMS": "cpu"}
+
+
 def main() -> int:
     relaunch()
+    env = cpu_env(os.environ)
+    if env is not None:
+        os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
     from metatrain.cli import main as cli_main
 
     return cli_main()

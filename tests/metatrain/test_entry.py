@@ -52,3 +52,47 @@ def test_relaunch_in_a_real_process_runs_once_with_what_hugepage_env_says(tmp_pa
                          check=True).stdout.splitlines()
     expected = (hugepage_env(env) or env).get("GLIBC_TUNABLES")
     assert out == ["start"] * (1 + (expected is not None)) + [f"tunables {expected} ['a', 'b c']"]
+
+
+@pytest.mark.parametrize("environ,libtpu,chips,plugins,after", [
+    ({}, True, False, False, "cpu"),  # the tpu extra on a CPU machine
+    ({}, True, True, False, None),  # a TPU VM
+    ({}, False, False, False, None),  # no libtpu: nothing to keep out
+    ({}, True, False, True, None),  # a GPU's plugin beside libtpu: JAX picks
+    ({"JAX_PLATFORMS": ""}, True, False, False, None),  # the user's own choice stays
+    ({"JAX_PLATFORMS": "tpu"}, True, False, False, None),
+])
+def test_cpu_env_keeps_libtpu_out_only_on_a_machine_without_tpu_chips(environ, libtpu, chips, plugins, after):
+    got = entry.cpu_env({"PATH": "/bin", **environ}, libtpu=libtpu, tpu_chips=chips, other_plugins=plugins)
+    assert (got if got is None else got["JAX_PLATFORMS"]) == after
+    if got is not None:
+        assert got["PATH"] == "/bin"
+
+
+def test_main_sets_jax_platforms_before_the_command_line_imports_jax(monkeypatch):
+    import metatrain.cli
+
+    monkeypatch.setenv("JAX_PLATFORMS", "unset below; restored after the test")
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(entry, "relaunch", lambda: None)
+    monkeypatch.setattr(entry, "cpu_env", lambda environ: {**environ, "JAX_PLATFORMS": "cpu"})
+    monkeypatch.setattr(metatrain.cli, "main", lambda: os.environ.get("JAX_PLATFORMS"))
+    assert entry.main() == "cpu"
+
+
+def test_a_cpu_machine_with_libtpu_runs_on_the_cpu_without_tpu_errors(tmp_path):
+    """As a user runs it: the `metatrain` program, JAX_PLATFORMS unset, on this machine (CI installs libtpu). Whether
+    libtpu prints its errors may depend on what else holds it (its lock file), so the platform the program set is
+    checked too."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    if entry._tpu_chips():
+        pytest.skip("this machine has TPU chips")
+    # the console script's order: metatrain.entry, then (in main) the command line, here one that starts JAX
+    code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
+            "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
+            "from metatrain import entry; entry.main()")
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
+    assert "TPU" not in res.stderr, res.stderr[-2000:]
