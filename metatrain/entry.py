@@ -82,6 +82,9 @@ def relaunch() -> None:
 
 
 def _tpu_chips() -> bool:
+    """Google's devices on the PCI bus, or TPU device files (a container may hide the bus but pass the chips)."""
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
     for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(path) as f:
@@ -108,7 +111,8 @@ def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> d
     Args:
       environ: the current environment.
       libtpu: whether libtpu is installed; by default whether this Python finds it.
-      tpu_chips: whether the machine has TPU chips; by default whether its PCI bus shows Google's devices.
+      tpu_chips: whether the machine has TPU chips; by default whether its PCI bus shows Google's devices or
+        it has TPU device files.
       other_plugins: whether another JAX plugin is installed; by default this Python's.
 
     Returns:

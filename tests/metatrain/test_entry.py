@@ -96,3 +96,16 @@ def test_a_cpu_machine_with_libtpu_runs_on_the_cpu_without_tpu_errors(tmp_path):
                          timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
     assert "TPU" not in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("files,vendor,chips", [
+    ({}, "0x1022", False),  # an AMD host bridge: a CPU machine
+    ({}, "0x1ae0", True),  # Google's PCI device
+    ({"/dev/accel[0-9]*": ["/dev/accel0"]}, "0x1022", True),  # TPU v4 and older: the bus hidden, the chip passed
+    ({"/dev/vfio/[0-9]*": ["/dev/vfio/0"]}, "0x1022", True),  # v5 and newer
+])
+def test_tpu_chips_are_seen_on_the_pci_bus_or_as_device_files(tmp_path, monkeypatch, files, vendor, chips):
+    (tmp_path / "vendor").write_text(vendor + "\n")
+    bus = {"/sys/bus/pci/devices/*/vendor": [str(tmp_path / "vendor")]}
+    monkeypatch.setattr(entry.glob, "glob", lambda pattern: {**bus, **files}.get(pattern, []))
+    assert entry._tpu_chips() == chips
