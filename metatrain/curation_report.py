@@ -16,9 +16,14 @@ import os
 
 import numpy as np
 
-from metatrain.curation import METHODS, arm_name
-from metatrain.data.sources import read_json
-from metatrain.paths import write_json
+from metatrain.paths import read_json, write_json
+
+METHODS = ("unfiltered", "rater", "random", "ppl_low", "ppl_mid", "ppl_high", "oracle")  # the experiment's arms
+
+
+def arm_name(method: str, drop: float | None) -> str:
+    """An arm's name: its method, and the share of the pool it drops (`rater_0.25`)."""
+    return method if drop is None else f"{method}_{drop:g}"
 
 
 def tokens_to_reach(tokens: np.ndarray, nll: np.ndarray, target: float) -> float:

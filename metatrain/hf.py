@@ -14,9 +14,9 @@ import shutil
 
 import numpy as np
 
-from metatrain.data.sources import read_json
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig
+from metatrain.paths import read_json
 
 MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "llama3")

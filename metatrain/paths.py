@@ -71,6 +71,20 @@ def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: t
     return path
 
 
+def read_json(path: str, what: str) -> dict:
+    """A JSON object from `path`; a file that is not one is a DataError naming it (`what`: the kind of file)."""
+    from metatrain.errors import DataError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); is the {what} complete?") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: a {what} holds a JSON object, found {type(value).__name__}")
+    return value
+
+
 def write_json(path: str, payload) -> None:
     """`payload` as JSON at `path`, through a temporary file: an interruption never leaves half a file."""
     tmp = f"{path}.tmp"
