@@ -328,7 +328,8 @@ def load(directory: str, dtype: str = "float32"):
     graphdef, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, _tree_map(jnp.asarray, params))
     model = nnx.merge(graphdef, state)
-    model.eos_token_id = read_config(directory).get("eos_token_id")
+    eos = read_config(directory).get("eos_token_id")
+    model.eos_token_id = tuple(eos) if isinstance(eos, list) else eos  # an attribute of the (hashable) graph
     return model
 
 

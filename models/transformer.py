@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from metatrain.models import grad_seed
+from metatrain.models import decode, grad_seed
 from metatrain.models.config import ModelConfig
 from metatrain.models.dense import dense
 from metatrain.models.lora import WEIGHTS, LoRAConfig, adapted, attach
@@ -190,19 +190,36 @@ class Attention(nnx.Module):
         y = adapted(self, name, jnp.einsum("bsd,dhk->bshk", x, getattr(self, "w" + name)[...].astype(x.dtype)), x)
         return y + getattr(self, "b" + name)[...].astype(x.dtype) if self.cfg.qkv_bias else y
 
-    def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
+    def _qkv(self, x, positions):  # queries [batch, seq, heads, k]; keys and values [batch, seq, kv_heads, k]
         freq = rope_frequencies(self.cfg, jnp.float32)
-        q = rope(self._project(x, "q"), positions, freq)  # [batch, seq, heads, k]
-        k = rope(self._project(x, "k"), positions, freq)  # [batch, seq, kv_heads, k]
-        v = self._project(x, "v")
+        return rope(self._project(x, "q"), positions, freq), rope(self._project(x, "k"), positions, freq), \
+            self._project(x, "v")
+
+    def _grouped(self, k, v):  # each key/value head serves `groups` consecutive query heads
         groups = self.cfg.n_heads // self.cfg.kv_heads
-        if groups > 1:  # each key/value head serves `groups` consecutive query heads
-            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        return (jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)) if groups > 1 else (k, v)
+
+    def _output(self, out, x):  # [batch, seq, heads, k] -> [batch, seq, d_model]
+        return adapted(self, "o", jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, n_in=2)
+
+    def __call__(self, x, positions, segment_ids):  # x: [batch, seq, d_model]
+        q, k, v = self._qkv(x, positions)
+        k, v = self._grouped(k, v)
         if self.kind == "blockwise":
             out = blockwise_attention(q, k, v, segment_ids, self.block, self.causal)
         else:
             out = dense_attention(q, k, v, attention_mask(segment_ids, self.causal))
-        return adapted(self, "o", jnp.einsum("bshk,hkd->bsd", out, self.wo[...].astype(x.dtype)), out, n_in=2)
+        return self._output(out, x)
+
+    def cached(self, x, positions, cache, write_at, visible):
+        """Attention of new tokens x [batch, seq, d_model] at `positions` [batch, seq] over a key/value cache
+        (k, v: [batch, slots, kv_heads, k]), their own keys and values first written into it at slot `write_at`;
+        `visible` [batch, seq, slots] says which slots each new token sees. Returns (output, the updated cache)."""
+        q, k, v = self._qkv(x, positions)
+        put = lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, write_at, 0, 0))
+        cache = put(cache[0], k), put(cache[1], v)
+        k, v = self._grouped(*cache)
+        return self._output(dense_attention(q, k.astype(q.dtype), v, visible[:, None]), x), cache
 
 
 class MLP(nnx.Module):
@@ -245,6 +262,12 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
+    def cached(self, x, positions, cache, write_at, visible):
+        """The block over new tokens with the attention's key/value cache (`Attention.cached`)."""
+        h, cache = self.attn.cached(self.attn_norm(x), positions, cache, write_at, visible)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
+
 
 class Transformer(nnx.Module):
     """Decoder-only transformer. `__call__(tokens)` gives logits [batch, seq, vocab] for `head="lm"`
@@ -285,12 +308,23 @@ class Transformer(nnx.Module):
                  top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
         """New tokens per prompt (token-id lists), with a KV cache: see `metatrain.generation.generate`. `eos`
         defaults to the model's own (`eos_token_id`, set by `hf.load`)."""
-        from metatrain.generation import generate
+        return decode.generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                               getattr(self, "eos_token_id", None) if eos is None else eos)
 
-        if self.cfg.head != "lm":
-            raise ValueError("generate: a model with a score head has no next-token logits")
-        return generate(self.cfg, nnx.to_pure_dict(nnx.state(self, nnx.Param)), prompts, max_new_tokens, temperature,
-                        top_k, top_p, seed, getattr(self, "eos_token_id", None) if eos is None else eos)
+    def cached_logits(self, tokens, positions, cache, write_at, visible):
+        """The next-token logits (float32) of the last of new tokens [batch, seq] at `positions`, through every
+        block with its key/value cache (k, v: [layers, batch, slots, kv_heads, k]; see `Attention.cached`).
+        Returns (logits [batch, vocab], the updated cache)."""
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.activation_dtype)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x, layer):
+            block_state, k, v = layer
+            return nnx.merge(graphdef, block_state).cached(x, positions, (k, v), write_at, visible)
+
+        x, cache = jax.lax.scan(body, x, (stacked, *cache))
+        x = self.final_norm(x[:, -1])
+        return (x @ self.unembedding.astype(x.dtype)).astype(jnp.float32), cache
 
     @property
     def unembedding(self) -> jax.Array:  # [d_model, vocab]

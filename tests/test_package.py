@@ -31,13 +31,26 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def import_nodes(tree: ast.AST):
+    """Every import statement of a module: at module level and inside functions and classes, but not in an
+    `if TYPE_CHECKING:` block (annotations only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                yield from import_nodes(ast.Module(body=[child], type_ignores=[]))
+        else:
+            yield from import_nodes(node)
+
+
 def imports(path: Path, module: str, known: set[str]) -> set[str]:
-    """metatrain modules that `module` imports when it is imported (module level, not inside functions). `from X
-    import Y` depends on X.Y when that is a module, else on X; a module's own parent packages are always
-    initialised before it, so they are not edges."""
+    """metatrain modules that `module` imports, when it is imported or inside its functions. `from X import Y`
+    depends on X.Y when that is a module, else on X; a module's own parent packages are always initialised before
+    it, so they are not edges."""
     tree, out = ast.parse(path.read_text()), set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in tree.body:
+    for node in import_nodes(tree):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

@@ -1,0 +1,89 @@
+"""Decoding with a KV cache: a prefill pass over the prompts fills the cache, then one token per step in a
+compiled `lax.while_loop`, both through the model's own blocks (`Transformer.cached_logits`).
+
+Prompts of different lengths share a batch left-padded: row b's prompt takes the last L_b of P slots, its
+positions count from 0 at its first token, and keys in its padding slots are never attended to. Every step writes
+the same cache slot for all rows (P + t, at position L_b + t).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def choose(logits, key, temperature: float, top_k: int, top_p: float):
+    """The next token of each row: argmax at temperature 0, else a draw from the top-k / top-p softmax."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_ = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_, axis=-1), axis=-1)
+        drop = cum - jax.nn.softmax(sorted_, axis=-1) >= top_p  # keep up to and including the one crossing top_p
+        sorted_ = jnp.where(drop, -jnp.inf, sorted_)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "temperature", "top_k", "top_p"))
+def _generate(graphdef, state, tokens, lengths, eos, key, *, max_new: int, temperature: float, top_k: int,
+              top_p: float):
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    b, p = tokens.shape
+    total = p + max_new
+    slots = jnp.arange(total)
+    start = p - lengths  # row b's first real slot
+    shape = (cfg.n_layers, b, total, cfg.kv_heads, cfg.head_dim)
+    cache = (jnp.zeros(shape, cfg.activation_dtype), jnp.zeros(shape, cfg.activation_dtype))
+    real = slots[None, :] >= start[:, None]  # [B, T]: not padding
+    positions = jnp.maximum(jnp.arange(p)[None, :] - start[:, None], 0)
+    visible = real[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
+    logits, cache = model.cached_logits(tokens, positions, cache, 0, visible)
+    key, sub = jax.random.split(key)
+    first = choose(logits, sub, temperature, top_k, top_p)
+    out = jnp.full((b, max_new), -1, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+
+    def cond(state):
+        t, _, _, _, done, _ = state
+        return (t < max_new) & ~done.all()
+
+    def step(state):
+        t, last, cache, out, done, key = state
+        slot = p + t - 1  # where the last chosen token goes
+        visible = (real & (slots[None, :] <= slot))[:, None, :]
+        logits, cache = model.cached_logits(last[:, None], (lengths + t - 1)[:, None], cache, slot, visible)
+        key, sub = jax.random.split(key)
+        nxt = jnp.where(done, -1, choose(logits, sub, temperature, top_k, top_p))
+        return t + 1, nxt, cache, out.at[:, t].set(nxt), done | jnp.isin(nxt, eos), key
+
+    return jax.lax.while_loop(cond, step, (jnp.int32(1), first, cache, out, done, key))[3]
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
+    """New tokens for each prompt from an NNX `Transformer` (`head="lm"`); see `metatrain.generation.generate`."""
+    if model.cfg.head != "lm":
+        raise ValueError("generate: a model with a score head has no next-token logits")
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise ValueError("generate: give at least one prompt, each of at least one token")
+    lengths = np.asarray([len(x) for x in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for i, x in enumerate(prompts):
+        tokens[i, tokens.shape[1] - len(x):] = x
+    eos_ids = jnp.asarray([-2] if eos is None else np.atleast_1d(eos), jnp.int32)
+    graphdef, state = nnx.split(model)
+    out = np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), eos_ids,
+                               jax.random.key(seed), max_new=int(max_new_tokens), temperature=float(temperature),
+                               top_k=int(top_k), top_p=float(top_p)))
+    return [[int(t) for t in row if t >= 0] for row in out]
