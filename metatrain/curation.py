@@ -37,6 +37,7 @@ import numpy as np
 from metatrain import curation_report, paths
 from metatrain.curation_report import arm_name
 from metatrain.errors import ConfigError
+from metatrain.run import Run
 
 FILES = ("train.jsonl", "trusted.jsonl", "heldout.jsonl")
 DROPS = (0.1, 0.25, 0.5, 0.75)
@@ -353,17 +354,13 @@ class Experiment:
         if os.path.isfile(path):
             return np.load(path)
         trainer = getattr(self, "_proxy", None)
-        if trainer is None:  # a continued experiment: the finished run's state, read back
-            from metatrain.pretrain import Pretrainer
-
-            trainer = Pretrainer(self._pretrain_config(os.path.join(self.dir, "arms", "unfiltered_s0"),
-                                                       os.path.join(self.data, "train.jsonl"), 0),
-                                 show_progress=False)
-            trainer.restore()
-            trainer.release()
+        if trainer is not None:
+            task, params = trainer.task, trainer.state["params"]
+        else:  # a continued experiment: the finished run read back
+            run = Run.open(os.path.join(self.dir, "arms", "unfiltered_s0"))
+            task, params = run.task, run.restored("params")
         tic = time.perf_counter()
-        task = trainer.task
-        scores = self._score(lambda p, b: task.example_losses(p, b), trainer.state["params"], "proxy")
+        scores = self._score(lambda p, b: task.example_losses(p, b), params, "proxy")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         np.save(path, scores)
         _say(f"proxy perplexity of {len(scores):,} documents ({time.perf_counter() - tic:.0f} s)")

@@ -21,42 +21,11 @@ import orbax.checkpoint as ocp
 
 from metatrain import config as config_lib
 from metatrain import hf, paths
-from metatrain import workdir as workdir_lib
 from metatrain.checkpoints import first_layout_difference, leaf_shapes
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig
-
-
-def _latest_state(workdir: str) -> tuple[str, int, dict]:
-    """(the latest checkpoint's state dir, its step, its metadata tree)."""
-    if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
-        raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
-    step = workdir_lib.latest_step(workdir)
-    if step is None:
-        raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
-                        f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
-    state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
-    return state_dir, step, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
-
-
-def on_one_device(shapes):
-    """ShapeDtypeStructs of `shapes` (arrays, shapes or checkpoint metadata) on this process's first device."""
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-
-
-def _restore_part(state_dir: str, saved: dict, key: str, target=None):
-    """One top-level entry of a saved state (`saved`: its metadata tree), onto `target`'s shapes and
-    shardings (default: the first device, as saved)."""
-    if key not in saved:
-        raise DataError(f"{state_dir} has no {key!r} entry (it has {sorted(saved)})")
-    if target is None:
-        target = on_one_device(saved[key])
-    item = {key: target}
-    args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                  partial_restore=True)
-    return ocp.PyTreeCheckpointer().restore(state_dir, args=args)[key]
+from metatrain.run import Checkpoint, Run, on_one_device
 
 
 def _check_matches(path: str, saved, target, field: str = "inner.init_from"):
@@ -110,7 +79,7 @@ class Exported:
 
     params: object  # as saved (nnx Variables as {"value": array} dicts)
     model: ModelConfig | None  # the model they are the parameters of; None when they are not a model's
-    info: dict  # kind, task, step, what; hf_config and tokenizer_dir where known
+    info: dict  # kind, task, step, what; hf_config, tokenizer_dir and the run's workdir where known
 
 
 def _pure(tree):
@@ -164,18 +133,10 @@ def _merged(cfg, model: ModelConfig, adapters):
 
 
 def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exported:
-    state_dir, step, saved = _latest_state(workdir)
-    text = config_lib.read_text(workdir_lib.config_path(workdir))
-    if text is None:
-        raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` or "
-                        f"`metatrain pretrain`")
-    cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)  # as it ran, the source may be gone
-    model = cfg.model
-    if not cfg.data.tokenizer.startswith(HF_PREFIX):  # tiktoken: the model's vocabulary follows the tokenizer
-        from metatrain.data.tokenizer import load_tokenizer
-
-        model = model.replace(vocab_size=load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size).vocab_size)
-    info = {"task": cfg.task, "step": step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
+    run = Run.open(workdir)  # its config as it ran: the data sources may be gone
+    cfg, model, saved = run.cfg, run.model, run.saved
+    info = {"task": cfg.task, "step": run.step, "workdir": run.workdir, **_origin(cfg.inner.init_from,
+                                                                               cfg.data.tokenizer)}
     lora = cfg.inner.lora.rank > 0
     if adapters and not lora:
         raise ConfigError(f"export --adapters: {workdir} is not a LoRA run (inner.lora.rank=0); export without it")
@@ -188,24 +149,24 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
                 cfg.inner.lora), base=cfg.inner.init_from or f"random (seed {cfg.seed})", base_model=dataclasses.asdict(
                 model)))
         return Exported(_merged(cfg, model, params), model, dict(info, kind="meta-train", what=which, merged_lora=True))
-    if "params" in saved:  # a pretrain run: its parameters are the model
+    if run.kind == "pretrain":  # its parameters are the model
         if what not in (None, "inner"):
             raise ConfigError(f"export --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
-        return Exported(_restore_part(state_dir, saved, "params"), model, dict(info, kind="pretrain", what="inner"))
+        return Exported(run.part("params"), model, dict(info, kind="pretrain", what="inner"))
     if what in ("inner", "baseline"):
         key = "inner" if what == "inner" else "base"
         if key not in saved or saved[key] is None:
             missing = ("uniform baseline (run with baseline=uniform)" if key == "base" else
                        f"fine-tuned inner model: task {cfg.task!r} restarts every step from η; use --what meta")
             raise ConfigError(f"export --what {what}: {workdir} has no {missing}")
-        part = _restore_part(state_dir, saved, key)
+        part = run.part(key)
         theta = (part["inner"] if key == "base" else part)[0]
         if key == "inner" and cfg.population.size > 1:  # a population's inner models: member 0's
             theta, info["member"] = jax.tree.map(lambda x: x[0], theta), 0
         return model_out(theta, what)
     if adapters:
         raise ConfigError("export --adapters: only a LoRA run's inner model or baseline has adapters (--what inner)")
-    meta = _restore_part(state_dir, saved, "meta")
+    meta = run.part("meta")
     if cfg.task == "maml":  # η is a model: MAML's initialisation (under LoRA: of the adapters)
         return model_out(meta, "meta")
     if isinstance(meta, dict) and isinstance(meta.get("lm"), dict):  # loss weighting's scorer
@@ -275,7 +236,7 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     else:
         with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
             checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
-        payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
+        payload = {k: v for k, v in info.items() if k not in ("tokenizer_dir", "workdir")}
         payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
         with open(os.path.join(out, "export.json"), "w") as f:
             json.dump(payload, f, indent=1)
@@ -342,11 +303,11 @@ def load_params(path: str, target, field: str = "inner.init_from"):
             _check_matches(path, checkpointer.metadata(params_dir).item_metadata.tree, target, field)
             return checkpointer.restore(params_dir, target)
     try:
-        state_dir, _, saved = _latest_state(path)
+        checkpoint = Checkpoint.latest(path)
     except DataError as e:
         raise ConfigError(f"{field}: {e}") from None
-    if "params" not in saved:
+    if "params" not in checkpoint.saved:
         raise ConfigError(f"{field}: {path} is not a `metatrain pretrain` work dir or an export dir (no "
                           f"'params' in its checkpoint, no export.json)")
-    _check_matches(path, saved["params"], target, field)
-    return _restore_part(state_dir, saved, "params", target)
+    _check_matches(path, checkpoint.saved["params"], target, field)
+    return checkpoint.part("params", target)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from metatrain import distributed, paths
 from metatrain.data import pipeline, records
 from metatrain.errors import ConfigError, DataError, MetatrainError
+from metatrain.run import Run
 
 METHODS = ("topk", "p_accept")
 SCORE_DTYPE = np.dtype([("file", "<i4"), ("offset", "<i8"), ("score", "<f8"), ("tokens", "<i4")])
@@ -102,12 +103,11 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     import jax
 
     from metatrain.data.pipeline import encoder
-    from metatrain.data.tokenizer import load_tokenizer
     from metatrain.scores import score_stream
 
-    encode = encoder(run.cfg.data, load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size))
+    encode = encoder(run.cfg.data, run.tokenizer())
     fn = jax.jit(run.task.scores)
-    meta = run.part("meta")
+    meta = run.restored("meta")
     docs = tokens = 0
     tic = time.perf_counter()
     unit = "B" if kind == "jsonl" else " docs"
@@ -226,8 +226,6 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     """
     import jax
 
-    from metatrain.scores import open_run
-
     if not 0 < drop < 1:
         raise ConfigError(f"--drop {drop}: the fraction to drop must be in (0, 1), e.g. 0.3")
     if method not in METHODS:
@@ -242,7 +240,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
         raise ConfigError(f"--out {out} exists; give a new directory (filter never writes over earlier output)")
     source = paths.prefixed(source, tuple(records.FORMATS))
     kind, pattern = records.input_format(source)
-    run = open_run(workdir)
+    run = Run.open(workdir).meta_training()
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"{workdir} is a {run.cfg.task!r} run: filtering needs a loss-weighting run's scores "
                           "(task=loss_weighting)")

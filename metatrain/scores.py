@@ -13,7 +13,6 @@ run's validation documents by default.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -27,49 +26,12 @@ from tqdm import tqdm
 from metatrain import config as config_lib
 from metatrain import export as export_lib
 from metatrain import paths, population
-from metatrain import step as step_lib
-from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.data import records
 from metatrain.data.pipeline import document_source, encoder, fields, split_ids
 from metatrain.data.pipeline import where as where_
-from metatrain.data.tokenizer import load_tokenizer
 from metatrain.errors import ConfigError, DataError
-from metatrain.tasks import make_task
-
-
-@dataclasses.dataclass
-class Run:
-    """A finished (or interrupted) run: its config, task, latest step, and the saved state's parts on one device."""
-
-    cfg: Config
-    task: object
-    step: int
-    state_dir: str
-    saved: dict
-    shapes: dict
-
-    def part(self, key: str):
-        return export_lib._restore_part(self.state_dir, self.saved, key, export_lib.on_one_device(self.shapes[key]))
-
-    def frozen(self):
-        """The LoRA base weights the run trained on (None without LoRA)."""
-        return None if self.task.lora is None else export_lib.lora_base(self.cfg, self.cfg.model)
-
-
-def open_run(workdir: str) -> Run:
-    workdir = paths.local(workdir)
-    state_dir, step, saved = export_lib._latest_state(workdir)
-    text = config_lib.read_text(workdir_lib.config_path(workdir))
-    if text is None or "params" in saved:
-        raise ConfigError(f"{workdir} is not a meta-training run (no config.yaml or a pretrain run); give the work "
-                          f"dir of a `metatrain train` run")
-    cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)
-    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size)
-    cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
-    task = make_task(cfg.task, **step_lib.task_arguments(cfg))
-    shapes = step_lib.checkpointed(step_lib.meta_program(cfg, mesh=None).state_shapes)
-    return Run(cfg, task, step, state_dir, saved, shapes)
+from metatrain.run import Run, on_one_device
 
 
 def document_rows(tokens: np.ndarray, mask: np.ndarray, seq_len: int, max_rows: int) -> list[dict]:
@@ -183,19 +145,20 @@ def batch_weights(scores: np.ndarray, batch: int) -> np.ndarray:
 def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4) -> tuple[str, int]:
     """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
     the run's data.source). Returns (the path, the number of documents)."""
-    run = open_run(workdir)  # reads metadata only: the output is checked before any scoring
+    run = Run.open(workdir).meta_training()  # reads metadata only: the output is checked before any scoring
     out = paths.output_file(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out")
     source = paths.prefixed(source, config_lib.USER_SOURCES)
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
-    encode = encoder(run.cfg.data, load_tokenizer(run.cfg.data.tokenizer, run.cfg.data.vocab_size))
+    encode = encoder(run.cfg.data, run.tokenizer())
     fn = jax.jit(run.task.scores)
     spec = source or run.cfg.data.source
     if spec.startswith(tuple(records.FORMATS)):  # streamed: bounded memory whatever the file's size
         return _scores_streamed(run, spec, out, encode, fn, max_rows)
     docs = document_source(run.cfg.data, spec)
-    values, _ = _per_document(fn, run.part("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows, "scoring")
+    values, _ = _per_document(fn, run.restored("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows,
+                              "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
     with open(out, "w") as f:
         for i in range(len(docs)):
@@ -216,7 +179,7 @@ def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -
     tmp = f"{out}.tmp"
     with open(tmp, "w") as f, tqdm(total=mine.size, desc="scoring", unit="B" if kind == "jsonl" else " docs",
                                    unit_scale=kind == "jsonl", file=sys.stderr, mininterval=1.0) as bar:
-        for rec, _, score, where in score_stream(fn, run.part("meta"), records.read(kind, files, mine, fields(d),
+        for rec, _, score, where in score_stream(fn, run.restored("meta"), records.read(kind, files, mine, fields(d),
                                                                                    d.id_field),
                                                  encode, d.seq_len, d.batch, max_rows):
             f.write(json.dumps([rec.id, score if math.isfinite(score) else None]) + "\n")
@@ -245,7 +208,7 @@ def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -
 def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:
     """[(which model, mean next-token loss)] on `source` (all its documents) or, by default, the run's validation
     documents (data.eval_source, or the held-out share of data.outer_source, or of data.source)."""
-    run = open_run(workdir)
+    run = Run.open(workdir).meta_training()
     cfg = run.cfg
     if run.task.model is None:
         raise ConfigError(f"eval: task {cfg.task!r} of {workdir} brings its own model, not a language model; eval "
@@ -265,23 +228,23 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
         ids = split_ids(len(docs), cfg.data.outer_every)[2]
     if max_docs:
         ids = ids[:max_docs]
-    encode = encoder(cfg.data, load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size))
-    frozen = run.frozen()
+    encode = encoder(cfg.data, run.tokenizer())
+    frozen = export_lib.lora_base(cfg, run.model) if run.task.lora is not None else None
     per_example = jax.jit(lambda theta, fr, b: run.task.with_frozen(fr).example_losses(theta, b))
     loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
     theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
     if run.cfg.population.size > 1 and not run.task.resets_inner:  # a population: member 0, as exported
         theta_shapes = population.member(theta_shapes)
-        inner = lambda: population.member(run.part("inner")[0])
+        inner = lambda: population.member(run.restored("inner")[0])
     else:
-        inner = lambda: run.part("meta") if run.task.resets_inner else run.part("inner")[0]
+        inner = lambda: run.restored("meta") if run.task.resets_inner else run.restored("inner")[0]
     models = [("inner model (fine-tuned)", inner)]
     if run.saved.get("base") is not None:
-        models.append(("uniform baseline", lambda: run.part("base")["inner"][0]))
+        models.append(("uniform baseline", lambda: run.restored("base")["inner"][0]))
     if cfg.inner.init_from and run.task.lora is not None:  # fresh adapters (B = 0): the base model itself
         models.append(("starting model", lambda: run.task.init_params(jax.random.key(0))))
     elif cfg.inner.init_from:
-        target = export_lib.on_one_device(theta_shapes)
+        target = on_one_device(theta_shapes)
         models.append(("starting model", lambda: export_lib.load_params(cfg.inner.init_from, target)))
     results = []
     for name, params in models:

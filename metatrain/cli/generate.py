@@ -10,12 +10,11 @@ from metatrain.cli import common
 
 def _model(src: str, what: str | None, tokenizer: str | None):
     """(model config, pure-dict parameters, tokenizer) of SRC."""
-    from metatrain import config as config_lib
     from metatrain import export as export_lib
     from metatrain import hf, paths
-    from metatrain import workdir as workdir_lib
     from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
     from metatrain.errors import ConfigError
+    from metatrain.run import Run
 
     if src.startswith(HF_PREFIX):
         directory = paths.local(src[len(HF_PREFIX):])
@@ -27,10 +26,8 @@ def _model(src: str, what: str | None, tokenizer: str | None):
                           "export dir of a model, or hf:DIR")
     if tokenizer is None and exported.info.get("tokenizer_dir"):
         tokenizer = HF_PREFIX + exported.info["tokenizer_dir"]
-    if tokenizer is None and config_lib.read_text(workdir_lib.config_path(paths.local(src))) is not None:
-        run = config_lib.load(workdir_lib.config_path(paths.local(src)), pretrained=False)
-        return exported.model, export_lib._pure(exported.params), load_tokenizer(run.data.tokenizer,
-                                                                                  run.data.vocab_size)
+    if tokenizer is None and exported.info.get("workdir"):  # a run's: the tokenizer it trained with
+        return exported.model, export_lib._pure(exported.params), Run.open(exported.info["workdir"]).tokenizer()
     if tokenizer is None:
         raise ConfigError(f"generate: {src} names no tokenizer; give --tokenizer (a tiktoken encoding or hf:DIR)")
     return exported.model, export_lib._pure(exported.params), load_tokenizer(tokenizer)

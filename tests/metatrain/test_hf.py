@@ -13,7 +13,8 @@ import pytest
 from helpers import HF_VOCAB as VOCAB  # noqa: N811
 from helpers import make_hf_checkpoint, one_line_error
 
-from metatrain import cli, hf
+from metatrain import cli, export, hf
+from metatrain.run import Run
 
 torch = pytest.importorskip("torch", reason="the hf test extra (pip install -e '.[hf]') is not installed")
 transformers = pytest.importorskip("transformers")
@@ -173,8 +174,6 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
     alone come out as an orbax export dir. The scorer starts from the same checkpoint (meta_model.init_from)."""
     import jax
 
-    from metatrain import scores
-
     directory, tokens, expected = checkpoints["qwen2-bias-gqa"]
     run = tmp_path / "run"
     args = ["train", f"inner.init_from=hf:{directory}", "steps=2", "data.seq_len=16", "data.batch=4",
@@ -190,13 +189,14 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
         moved = np.abs(logits - expected).max()
         assert np.isfinite(moved) and moved > 1e-3, (what, moved)
         if what == "inner":
-            opened = scores.open_run(str(run))
-            adapted = opened.task.with_frozen(opened.frozen()).inner_model(opened.part("inner")[0])
+            opened = Run.open(str(run))
+            frozen = export.lora_base(opened.cfg, opened.model)
+            adapted = opened.task.with_frozen(frozen).inner_model(opened.restored("inner")[0])
             ours = np.asarray(adapted(jax.numpy.asarray(tokens)))[..., :logits.shape[-1]]
             np.testing.assert_allclose(logits, ours, atol=1e-4, rtol=1e-4)
     assert cli.main(["export", str(run), "--adapters", "--out", str(tmp_path / "adapters")]) == 0
     saved = json.loads((tmp_path / "adapters" / "export.json").read_text())
-    scorer = opened.part("base")["meta"]["lm"]  # the baseline keeps η's start: the pretrained scorer
+    scorer = opened.restored("base")["meta"]["lm"]  # the baseline keeps η's start: the pretrained scorer
     np.testing.assert_array_equal(np.asarray(scorer["embed"]), hf.read(str(directory))[1]["embed"])
     assert saved["lora"]["rank"] == 4 and saved["model"] is None and saved["base"] == f"hf:{directory}"
     assert (tmp_path / "inner" / "tokenizer.json").exists()
@@ -218,16 +218,14 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
 def test_rater_head_starts_from_a_language_model(checkpoints, tmp_path, capsys):
     """meta_model.head=score, meta_model.causal=false (DataRater's rater) with meta_model.init_from=hf:DIR: the body
     comes from the checkpoint, the score head starts at zero (uniform weights), and `scores` reads the run."""
-    from metatrain import scores
-
     directory, _, _ = checkpoints["llama-tied-mha"]
     run = tmp_path / "run"
     args = ["train", f"inner.init_from=hf:{directory}", "steps=1", "data.seq_len=16", "data.batch=4",
             "data.shuffle_window=256", "eval_batches=1", "baseline=uniform", "meta_model.head=score",
             "meta_model.causal=false", f"meta_model.init_from=hf:{directory}", f"workdir={run}"]
     assert cli.main(args) == 0, capsys.readouterr().err[-2000:]
-    opened = scores.open_run(str(run))
-    start = opened.part("base")["meta"]["lm"]  # the baseline keeps η's start
+    opened = Run.open(str(run))
+    start = opened.restored("base")["meta"]["lm"]  # the baseline keeps η's start
     np.testing.assert_array_equal(np.asarray(start["embed"]), hf.read(str(directory))[1]["embed"])
     assert np.asarray(start["out"]).shape == (opened.task.meta_model.d_model, 1) and not np.asarray(start["out"]).any()
     assert not opened.task.meta_model.causal and opened.task.meta_model.head == "score"

@@ -1,0 +1,162 @@
+"""A run opened from its work dir: its config as it ran, its latest checkpoint, and what was trained, restored on
+this process's first device. Every command that reads a finished (or interrupted) run opens it here: `scores`,
+`eval`, `filter`, `generate`, `export` and the curation experiment.
+
+    run = Run.open("runs/default")
+    run.kind, run.step, run.cfg.task      # "meta-train" (or "pretrain"), the latest checkpoint's step, the task
+    meta = run.part("meta")               # one entry of the saved state, on one device
+    theta = run.part("inner")[0]          # (a population's members stacked on the leading axis)
+
+Nothing is compiled or trained to open a run; the checkpoint's metadata is read at once, its arrays when a part is
+asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from metatrain import config as config_lib
+from metatrain import models, paths
+from metatrain import step as step_lib
+from metatrain import workdir as workdir_lib
+from metatrain.config import Config
+from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
+from metatrain.errors import ConfigError, DataError, MetatrainError
+from metatrain.models import ModelConfig
+from metatrain.tasks import Task, make_task
+
+PRETRAIN, META_TRAIN = "pretrain", "meta-train"
+
+
+def on_one_device(shapes):
+    """ShapeDtypeStructs of `shapes` (arrays, shapes or checkpoint metadata) on this process's first device."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A work dir's latest checkpoint: its step, its state dir and the saved state's metadata tree."""
+
+    step: int
+    state_dir: str
+    saved: dict
+
+    @classmethod
+    def latest(cls, workdir: str) -> Checkpoint:
+        """The newest finished checkpoint of `workdir`; a dir that is missing or has none is a one-line DataError."""
+        workdir = paths.local(workdir)
+        if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
+            raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
+        step = workdir_lib.latest_step(workdir)
+        if step is None:
+            raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
+                            f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
+        state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
+        return cls(step, state_dir, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree)
+
+    def part(self, key: str, target=None):
+        """One top-level entry of the saved state, onto `target`'s shapes and shardings (default: the first
+        device, as saved)."""
+        if key not in self.saved:
+            raise DataError(f"{self.state_dir} has no {key!r} entry (it has {sorted(self.saved)})")
+        item = {key: on_one_device(self.saved[key]) if target is None else target}
+        args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                      partial_restore=True)
+        return ocp.PyTreeCheckpointer().restore(self.state_dir, args=args)[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run of `metatrain train` or `metatrain pretrain`: its work dir, its config as it ran (the data sources may be
+    gone), and its latest checkpoint.
+
+    Args:
+      workdir: the work dir (absolute).
+      cfg: the saved config (`config.yaml`).
+      checkpoint: the latest checkpoint.
+    """
+
+    workdir: str
+    cfg: Config
+    checkpoint: Checkpoint
+
+    @classmethod
+    def open(cls, workdir: str) -> Run:
+        """The run in `workdir`; one that is missing, has no checkpoint or no config.yaml is a one-line DataError."""
+        workdir = paths.local(workdir)
+        checkpoint = Checkpoint.latest(workdir)
+        if config_lib.read_text(workdir_lib.config_path(workdir)) is None:
+            raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` "
+                            f"or `metatrain pretrain`")
+        return cls(workdir, config_lib.load(workdir_lib.config_path(workdir), pretrained=False), checkpoint)
+
+    @property
+    def kind(self) -> str:
+        """`pretrain` (its state is the model's `params`) or `meta-train`."""
+        return PRETRAIN if "params" in self.checkpoint.saved else META_TRAIN
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+    @property
+    def saved(self) -> dict:
+        """The saved state's metadata tree (its entries: `meta`, `inner`, `base`, ... or `params`)."""
+        return self.checkpoint.saved
+
+    def part(self, key: str, target=None):
+        """One entry of the saved state on one device (or onto `target`'s shapes and shardings)."""
+        return self.checkpoint.part(key, target)
+
+    def meta_training(self) -> Run:
+        """This run, refused in one line unless it is a meta-training run (the commands that need a task's η)."""
+        if self.kind != META_TRAIN:
+            raise ConfigError(f"{self.workdir} is a pretrain run; give the work dir of a `metatrain train` run")
+        return self
+
+    @functools.cached_property
+    def model(self) -> ModelConfig:
+        """The model as it trained: its vocabulary is the tokenizer's, as the Trainer sets it. Where a Hugging Face
+        tokenizer's dir is gone, the saved config's (a Hugging Face model's own, read from its config.json)."""
+        try:
+            tokenizer = self.tokenizer()
+        except MetatrainError:
+            if self.cfg.data.tokenizer.startswith(HF_PREFIX):
+                return self.cfg.model
+            raise
+        return self.cfg.model.replace(vocab_size=tokenizer.vocab_size)
+
+    @functools.cached_property
+    def trained_cfg(self) -> Config:
+        """The config with `model` as it trained (see `model`)."""
+        return dataclasses.replace(self.cfg, model=self.model)
+
+    @functools.cached_property
+    def task(self) -> Task:
+        """The run's task, as built for training (a pretrain run's: plain next-token training of its model)."""
+        if self.kind == PRETRAIN:
+            return Task(self.model, inner_lr=self.cfg.inner_lr)
+        return make_task(self.cfg.task, **step_lib.task_arguments(self.trained_cfg))
+
+    @functools.cached_property
+    def shapes(self) -> dict:
+        """The shapes (`jax.ShapeDtypeStruct`s) of the checkpointed state's entries as the run's program holds them:
+        nnx states, where `saved` has their plain dicts (a pretrain run: its `params` only)."""
+        if self.kind == PRETRAIN:
+            return {"params": models.abstract_init(self.model)[1]}
+        return step_lib.checkpointed(step_lib.meta_program(self.trained_cfg, mesh=None).state_shapes)
+
+    def restored(self, key: str):
+        """One entry of the saved state on one device, in the structure the run's program gives it (`shapes`): what
+        the task's functions take (`run.task.scores(run.restored("meta"), batch)`)."""
+        return self.part(key, on_one_device(self.shapes[key]))
+
+    def tokenizer(self):
+        """The run's tokenizer (`data.tokenizer`, at `data.vocab_size`)."""
+        return load_tokenizer(self.cfg.data.tokenizer, self.cfg.data.vocab_size)
