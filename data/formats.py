@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from metatrain.data.chat import _template, check
+from metatrain.data.tokenizer import HFTokenizer, Tokenizer
 from metatrain.errors import ConfigError, DataError
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -111,7 +112,7 @@ class Encoder:
       messages_field: the messages' field, for messages.
     """
 
-    def __init__(self, tokenizer, train_on: str = "assistant", chat_template: str = "",
+    def __init__(self, tokenizer: Tokenizer | HFTokenizer, train_on: str = "assistant", chat_template: str = "",
                  messages_field: str = "messages"):
         self.tokenizer, self.train_on, self.messages_field = tokenizer, train_on, messages_field
         self.chat_template, self.template = chat_template, None

@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import sys
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,6 +32,20 @@ from metatrain.errors import ConfigError, DataError
 from metatrain.paths import read_json
 
 KINDS = ("builtin", "tfds:", "jsonl:", "parquet:", "dir:", "hf-disk:")
+
+
+class Source(Protocol):
+    """What every source gives (see the module docstring)."""
+
+    fields: Fields
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Any: ...
+
+    def doc_id(self, i: int) -> Any: ...
+
+    def where(self, i: int) -> str: ...
 
 
 class Plain:
@@ -281,7 +296,7 @@ class Tfds(Indexed):
 
 
 def open_source(spec: str, *, split: str = "train", data_dir: str | None = None, text_field: str = "text",
-                id_field: str = "id", format: str = "", messages_field: str = "messages"):
+                id_field: str = "id", format: str = "", messages_field: str = "messages") -> Source:
     """The document source named by `spec`: a random-access sequence of documents with ids.
 
     Args:
@@ -295,8 +310,8 @@ def open_source(spec: str, *, split: str = "train", data_dir: str | None = None,
       messages_field: the field or column holding a conversation's messages (chat).
 
     Returns:
-      A source: `len(source)`, `source[i]` (the text, messages, or {"prompt", "completion"}), `source.doc_id(i)`,
-      `source.where(i)` (the file and line or row, for messages) and `source.fields` (its format found).
+      The source: `len(source)`, `source[i]` (the text, messages, or {"prompt", "completion"}), `source.doc_id(i)`,
+        `source.where(i)` (the file and line or row, for messages) and `source.fields` (its format found).
 
     Raises:
       DataError: a missing path, no documents, a missing field or a bad record, in one line naming it.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -276,17 +277,17 @@ def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, M
     return out, cfg
 
 
-def load_params(path: str, target, field: str = "inner.init_from"):
+def load_params(path: str, target: Any, field: str = "inner.init_from") -> Any:
     """Pretrained parameters restored onto given shapes and shardings.
 
     Args:
       path: a `metatrain pretrain` work dir (its latest checkpoint), an export / import dir, or `hf:DIR`.
-      target: the parameters' `jax.ShapeDtypeStruct`s, with shardings.
+      target: the parameters' `jax.ShapeDtypeStruct`s (a pytree), with shardings.
       field: the config key named in errors.
 
     Returns:
-      The parameters, placed as `target` says; a checkpoint of another shape is refused naming the first
-      parameter that differs.
+      The parameters (a pytree of `target`'s structure), placed as `target` says; a checkpoint of another shape is
+        refused, naming the first parameter that differs.
     """
     path = paths.prefixed(path, (HF_PREFIX,), bare=True)
     if path.startswith(HF_PREFIX):

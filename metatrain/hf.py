@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 
 from metatrain.errors import ConfigError, DataError
-from metatrain.models import ModelConfig
+from metatrain.models import ModelConfig, Transformer
 from metatrain.paths import read_json
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -308,7 +308,7 @@ def copy_tokenizer(source: str | None, out: str) -> list[str]:
     return copied
 
 
-def load(directory: str, dtype: str = "float32"):
+def load(directory: str, dtype: str = "float32") -> Transformer:
     """The NNX model of a local Hugging Face model dir (`llama` or `qwen2`).
 
     Args:
@@ -316,8 +316,8 @@ def load(directory: str, dtype: str = "float32"):
       dtype: the parameters' dtype.
 
     Returns:
-      An NNX model: `model(tokens)` with int tokens [batch, seq] gives logits [batch, seq, vocab];
-      `model.generate(prompts, max_new_tokens=N)` new token ids per prompt, stopping at config.json's EOS.
+      The NNX model. With int tokens [batch, seq], `model(tokens)` gives logits [batch, seq, vocab], and
+        `model.generate(prompts, max_new_tokens=N)` the new token ids of each prompt, stopping at config.json's EOS.
     """
     import jax.numpy as jnp
     from flax import nnx
