@@ -30,6 +30,21 @@ def progress_bar(total: int, initial: int, desc: str, disable: bool) -> tqdm:
                 mininterval=0.1 if tty else 30.0, ascii=not tty)
 
 
+def summary_writer(directory: str):
+    """tensorboardX's `SummaryWriter` for `directory`, imported without PyTorch: tensorboardX imports torch, where it
+    is installed, only to accept its tensors (seconds of start-up); a run logs Python floats. Where torch is
+    imported already it stays as it is."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX is imported
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter(directory)
+
+
 def require_wandb(cfg: Config) -> None:
     """Refuse `log.wandb=true` without the wandb package before anything is compiled."""
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
@@ -57,15 +72,13 @@ class MetricsLog:
     def __init__(self, cfg: Config, start_step: int = 0):
         """`start_step`: the step the run starts from; rows of later steps that metrics.jsonl already holds (a run
         stopped after its last checkpoint, then resumed from it) are dropped, as is a line cut off mid-write."""
-        from tensorboardX import SummaryWriter
-
         self.workdir = cfg.workdir
         self.dir = workdir_lib.log_dir(cfg.workdir)
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, "metrics.jsonl")
         _keep_rows_up_to(path, start_step)
         self.jsonl = open(path, "a")
-        self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+        self.tb = summary_writer(os.path.join(self.dir, "tensorboard"))
         self.wandb = wandb_run(cfg, self.dir) if cfg.log.wandb else None
 
     def write(self, metrics: dict) -> None:

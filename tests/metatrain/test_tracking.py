@@ -57,3 +57,36 @@ def test_logs_are_copied_into_a_remote_workdir(tmp_path, monkeypatch):
     assert (bucket / "b" / "runs" / "x" / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"\x00\x01"
     tracking.copy_logs(str(log_dir), str(tmp_path / "local_workdir"))  # a local work dir: nothing to copy
     assert not (tmp_path / "local_workdir").exists()
+
+
+def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports PyTorch where it is installed (seconds of start-up for every run); the run's writer
+    leaves it out and still writes readable scalars, and torch imports normally afterwards."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from metatrain.tracking import summary_writer
+w = summary_writer({str(tmp_path)!r})
+w.add_scalar("outer_loss", 2.5, 1)
+w.close()
+assert "torch" not in sys.modules, "torch was imported"
+from tensorboardX.event_file_writer import event_pb2
+import glob, struct
+data = open(glob.glob({str(tmp_path / 'events.out.tfevents.*')!r})[0], "rb").read()
+values, i = [], 0
+while i < len(data):  # TFRecord framing: length, its CRC, the event, its CRC
+    n = struct.unpack("<Q", data[i:i + 8])[0]
+    event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+    values += [(v.tag, v.simple_value, event.step) for v in event.summary.value]
+    i += 16 + n
+print(values)
+try:
+    import torch  # noqa: F401  (installed with the hf extra: importable again)
+except ImportError:
+    pass
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[('outer_loss', 2.5, 1)]"
