@@ -80,6 +80,7 @@ class Trainer:
             self.state = self._load_pretrained(cfg.inner.init_from)
         if cfg.meta_model.init_from:
             self.state = self._load_scorer(cfg.meta_model.init_from)
+        self._check_base(record=False)  # other base weights than the adapters trained on: refused before compiling
         self.program, self.compiled = self._compile(self.program)
         self.memory = compiled_memory(self.compiled)
         if self.is_main:
@@ -259,12 +260,13 @@ class Trainer:
         self.state = {**self.state, **restored["state"]}  # all but the frozen base come from the checkpoint
         return step
 
-    def _check_base(self) -> None:
-        """A LoRA run's adapters stay on the base weights they were trained on (recorded when the run starts)."""
+    def _check_base(self, record: bool = True) -> None:
+        """A LoRA run's adapters stay on the base weights they were trained on (recorded when training starts)."""
         if "frozen" in self.state:
-            identity = workdir_lib.base_identity(self.state["frozen"], self.cfg.inner.init_from)
+            if not hasattr(self, "_base_identity"):
+                self._base_identity = workdir_lib.base_identity(self.state["frozen"], self.cfg.inner.init_from)
             if self.is_main:
-                workdir_lib.check_base(self.cfg.workdir, identity)
+                workdir_lib.check_base(self.cfg.workdir, self._base_identity, record)
 
     def release(self) -> None:
         if getattr(self, "lock", None) is not None:

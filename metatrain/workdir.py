@@ -159,12 +159,13 @@ def base_identity(frozen, init_from: str) -> dict:
     return {"init_from": init_from or "random (the run's seed)", "abs_sums": [float(f"{float(s):.6g}") for s in sums]}
 
 
-def check_base(workdir: str, identity: dict) -> None:
+def check_base(workdir: str, identity: dict, record: bool = True) -> None:
     """Refuse to resume a LoRA run on base weights other than those its adapters were trained on (recorded in the
-    work dir when the run first started); record them when nothing is recorded yet."""
+    work dir when the run first started); with `record`, record them when nothing is recorded yet."""
     saved = config_lib.read_text(base_path(workdir))
     if saved is None:
-        config_lib.write_text(base_path(workdir), json.dumps(identity, indent=1))
+        if record:
+            config_lib.write_text(base_path(workdir), json.dumps(identity, indent=1))
         return
     before = json.loads(saved)
     same = len(before["abs_sums"]) == len(identity["abs_sums"]) and all(

@@ -68,8 +68,8 @@ def test_eval_of_documents_with_no_token_is_one_line(shared_run, tmp_path, capsy
 @pytest.mark.slow
 def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(shared_run, tmp_path, capsys):
     """Two export dirs of the same shapes (the shared run's fine-tuned and baseline models): resuming a LoRA run with
-    the other as inner.init_from is refused; with its own base it resumes. Also: the rows a run wrote after its last
-    checkpoint are dropped from metrics.jsonl when it resumes from that checkpoint."""
+    the other as inner.init_from is refused before anything compiles; with its own base it resumes. Also: the rows a
+    run wrote after its last checkpoint are dropped from metrics.jsonl when it resumes from that checkpoint."""
     run = shared_run["workdir"]
     for what in ("inner", "baseline"):
         assert cli.main(["export", str(run), "--what", what, "--out", str(tmp_path / what)]) == 0
@@ -83,8 +83,9 @@ def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(shared_run, tmp_p
     capsys.readouterr()
     code = cli.main(["train", *lora, f"inner.init_from={tmp_path / 'baseline'}", "steps=3"])
     assert code == 2
-    one_line_error(capsys.readouterr().err, "inner.init_from:", f"base weights of {tmp_path / 'inner'}",
-                   "holds other weights")
+    out = capsys.readouterr()
+    one_line_error(out.err, "inner.init_from:", f"base weights of {tmp_path / 'inner'}", "holds other weights")
+    assert "meta-gradient:" not in out.err  # refused before the outer step was compiled
     assert cli.main(["train", *lora, f"inner.init_from={tmp_path / 'inner'}", "steps=3"]) == 0
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     steps = [r["step"] for r in rows if "meta_grad_norm" in r]
