@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -32,16 +33,38 @@ def cpu_device_count(mesh: MeshConfig, batch: int, population_axis: bool = False
     return max(n for n in range(1, cores + 1) if batch % n == 0)
 
 
+THREADS_PER_DEVICE = 4
+XLA_THREADS = "PJRT_NPROC"  # read by XLA:CPU when its client starts: the size of its two thread pools
+
+
+def cpu_threads(count: int) -> None:
+    """Give XLA:CPU's thread pools room for `count` devices in this process (unless PJRT_NPROC sizes them already).
+
+    XLA:CPU runs all devices of a process on two shared pools of max(cores, devices) threads: exactly one per device
+    on a machine with fewer cores than devices. A device's part of a program holds a thread until it ends, and a
+    collective blocks the thread that reaches it until every device has reached it; a device whose next piece of
+    work (a step offloaded to the pool, a loop body) then finds no free thread never gets there, and XLA stops the
+    process: "Expected 8 threads to join the rendezvous, but only 6 of them arrived on time". With
+    `THREADS_PER_DEVICE` threads per device the pools cannot run dry; threads that wait cost no CPU."""
+    if count > 1 and XLA_THREADS not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ[XLA_THREADS] = str(max(cores, THREADS_PER_DEVICE * count))
+
+
 def split_cpu(count: int) -> bool:
-    """Make the CPU backend `count` devices. Call before any JAX operation; returns False (and changes nothing)
-    where XLA_FLAGS or JAX_NUM_CPU_DEVICES already sets a count or the backends have started."""
-    if count == 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or \
-            os.environ.get("JAX_NUM_CPU_DEVICES"):
+    """Make the CPU backend `count` devices (with `cpu_threads`). Call before any JAX operation; returns False (and
+    changes nothing) where XLA_FLAGS or JAX_NUM_CPU_DEVICES already sets a count or the backends have started."""
+    given = re.search(r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if given or os.environ.get("JAX_NUM_CPU_DEVICES"):
+        cpu_threads(int(given.group(1)) if given else int(os.environ["JAX_NUM_CPU_DEVICES"]))
+        return False
+    if count == 1:
         return False
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # a JAX operation ran already (e.g. in a notebook or a test's process)
         return False
+    cpu_threads(count)
     return True
 
 

@@ -1,11 +1,13 @@
 import os
+import subprocess
+import sys
 
 import pytest
 
 from metatrain import config as config_lib
 from metatrain.config import MeshConfig
 from metatrain.errors import ConfigError
-from metatrain.sharding import cpu_device_count, split_cpu
+from metatrain.sharding import XLA_THREADS, cpu_device_count, cpu_threads, split_cpu
 
 
 @pytest.mark.parametrize("cores, batch, mesh, population_axis, want", [
@@ -26,6 +28,9 @@ def test_cpu_device_count(monkeypatch, cores, batch, mesh, population_axis, want
 def test_split_cpu_leaves_a_started_backend_and_given_counts_alone(monkeypatch):
     import jax
 
+    monkeypatch.setenv(XLA_THREADS, "")  # restored at the end: split_cpu may size the pools for a given count
+    monkeypatch.delenv(XLA_THREADS)
+
     before = len(jax.devices())  # this process's backend has started
     assert not split_cpu(2)  # the suite's XLA_FLAGS gives a count
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
@@ -34,6 +39,33 @@ def test_split_cpu_leaves_a_started_backend_and_given_counts_alone(monkeypatch):
     assert len(jax.devices()) == before
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
     assert not split_cpu(2)
+
+
+def test_xla_gets_four_threads_per_device_unless_told(monkeypatch):
+    """The pools' size is the process's to choose once: set before the backend starts, kept when the user set it."""
+    monkeypatch.setenv(XLA_THREADS, "")
+    monkeypatch.delenv(XLA_THREADS)
+    cpu_threads(1)
+    assert XLA_THREADS not in os.environ  # one device: XLA's own sizes
+    cpu_threads(8)
+    assert int(os.environ[XLA_THREADS]) == max(32, len(os.sched_getaffinity(0)))
+    monkeypatch.setenv(XLA_THREADS, "5")
+    cpu_threads(8)
+    assert os.environ[XLA_THREADS] == "5"
+
+
+@pytest.mark.slow
+def test_xla_cpu_sizes_its_thread_pool_from_the_split():
+    """XLA:CPU really reads the size: a process split into 8 devices runs its programs on 32 intra-op threads, not
+    on max(cores, 8)."""
+    code = ("import os; from metatrain.sharding import split_cpu; assert split_cpu(8); import jax; "
+            "jax.jit(lambda x: x + 1)(1.0).block_until_ready(); "
+            "print(sum('XLAEigen' in open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", XLA_THREADS, "JAX_NUM_CPU_DEVICES")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == max(32, len(os.sched_getaffinity(0)))
 
 
 def test_a_negative_cpu_device_count_is_refused():
