@@ -85,6 +85,8 @@ class MeshConfig:
     # a single-process run on CPU: its cores as this many JAX devices, each running its share of the batch on its own
     # thread (XLA:CPU runs one device's program mostly on one core); 0: one per core, as many as divide data.batch
     # (with the other mesh keys at their defaults). Left alone where XLA_FLAGS or JAX_NUM_CPU_DEVICES sets a count.
+    # With more than one device, XLA:CPU gets 4 threads per device (PJRT_NPROC, unless set) so that collectives
+    # never wait for a thread.
     cpu_devices: int = 1
 
 
