@@ -97,6 +97,7 @@ def test_launcher_needs_a_command(capsys):
     assert "give the metatrain command" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_backend
 def test_compile_on_v5p_2x2x1_fits_with_fsdp(tmp_path, capsys):
     pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")

@@ -30,6 +30,7 @@ def meta_grad(task_name: str, variant: str):
     return value, ravel_pytree(grad)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["maml", "loss_weighting"])
 def test_bf16_storage_bounds_the_meta_gradient(task):
     value, ref = meta_grad(task, "mixflow+remat+save")

@@ -45,6 +45,7 @@ def rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_name,mode", [("loss_weighting", "mixflow"), ("maml", "revfwd")])
 def test_the_meta_gradient_is_the_mean_of_the_members_meta_gradients(task_name, mode):
     """N=3, reduce=grad: the population's meta-gradient against the mean of three one-member meta-gradients, each
@@ -68,6 +69,7 @@ def test_the_meta_gradient_is_the_mean_of_the_members_meta_gradients(task_name, 
         assert rel(grads[0], mean) > 1e-3  # the members differ: one member's meta-gradient would fail
 
 
+@pytest.mark.slow
 def test_reduce_update_averages_three_meta_adam_updates_and_resets_start_fresh():
     """reduce=update with N=3, lifetime=3: two outer steps of the population's step against three meta-Adam states
     updated by hand from one-member meta-gradients, their updates averaged, the inner states carried; at step 1

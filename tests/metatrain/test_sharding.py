@@ -73,6 +73,7 @@ def test_a_negative_cpu_device_count_is_refused():
         config_lib.load(None, ["mesh.cpu_devices=-1"])
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_backend
 @pytest.mark.parametrize("population", [0, 2])
 def test_fsdp_splits_the_activations_batch_over_the_devices(population):

@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from metatrain import step
 from metatrain.data.pipeline import DEVICE_FEATURES, DataConfig, Streams
@@ -39,6 +40,7 @@ def test_batch_specs_carry_the_meshs_shardings():
     assert outer["tokens"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
 
 
+@pytest.mark.slow
 def test_meta_optimizer_state_and_eta_in_host_memory_give_the_same_steps_and_checkpoints(tmp_path):
     """meta_opt.offload_moments=true: the compiled step takes and returns the meta-optimizer's matrices in pinned host
     memory, with meta_opt.offload_params=true η's too; two outer steps give the same state, bit for bit, as without

@@ -127,6 +127,7 @@ def test_metrics_reach_jsonl_tensorboard_and_wandb_alike(shared_run):
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4]
 
 
+@pytest.mark.slow
 def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, tmp_path, capsys):
     """One config, three tools: equal memory_analysis() figures (a different program would differ)."""
     trainer = json.loads((shared_run["workdir"] / "outer_step.json").read_text())

@@ -176,6 +176,7 @@ def test_bad_model_config():
         models.preset("huge")
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_whole_sequence_logits_with_its_derivatives():
     """`loss_chunk`: the same per-example losses, gradient and forward-over-reverse Hessian-vector product as the
     [batch, seq, vocab] logits (float64; a chunk that does not divide the sequence, padding positions)."""

@@ -40,6 +40,7 @@ def test_rows_add_up_and_ratio_grows_with_layers():
     assert ratio[(4, "mixflow+remat+save")] > ratio[(1, "mixflow+remat+save")] > 1.0
 
 
+@pytest.mark.slow
 def test_sizes_counted_by_hand():
     """MAML's state is η and the meta-optimizer's two Adam moments (3 float32 copies of the parameters, two int32
     counters); the arguments are that plus the batches' sequences (MAML never reads the per-example `corrupted`
@@ -116,6 +117,7 @@ def test_resume_keeps_measured_rows_and_compiles_the_rest(tmp_path, capsys):
     assert "--resume keeps the rows of the --json file: give --json PATH too" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_blockwise_variant_beside_dense(tmp_path):
     """`+blockwise` in a variant name profiles the blockwise model, in the dense baseline's ratio group;
     at S=256 with blocks of 32 it no longer holds [B, H, S, S] scores, so its temporaries are smaller."""
@@ -201,6 +203,7 @@ def test_ablation_beside_the_papers_table():
     assert "| 12.00 | - | 2.67x | - |" in other and "no paper figures" in other
 
 
+@pytest.mark.slow
 def test_ladder_grid_on_cpu(tmp_path, capsys):
     png, timeline, out_json = tmp_path / "ladder.png", tmp_path / "timeline.png", tmp_path / "rows.json"
     # +unroll last: a row without a static/dynamic split, in the tables and the plot
@@ -218,6 +221,7 @@ def test_ladder_grid_on_cpu(tmp_path, capsys):
         assert max(t["argument_bytes"]) == b["argument_bytes"] > 0 and len(t["live_bytes"]) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_backend
 def test_tpu_backend_rows_are_per_chip(tmp_path):
     pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
@@ -281,6 +285,7 @@ def test_resource_exhausted_figure_is_parsed():
     assert required_bytes(err) == 134 * 2**30 and required_bytes(RuntimeError("other")) is None
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_backend
 def test_a_program_over_hbm_is_compiled_past_the_limit_and_a_fitting_one_is_unchanged():
     """`aot.compile_exact`: libtpu refuses a program over the v5p chip's 95.74 GiB; compiled past the limit it gives
