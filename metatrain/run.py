@@ -158,5 +158,9 @@ class Run:
         return self.part(key, on_one_device(self.shapes[key]))
 
     def tokenizer(self):
-        """The run's tokenizer (`data.tokenizer`, at `data.vocab_size`)."""
+        """The run's tokenizer (`data.tokenizer`, at `data.vocab_size`), loaded once."""
+        return self._tokenizer
+
+    @functools.cached_property
+    def _tokenizer(self):
         return load_tokenizer(self.cfg.data.tokenizer, self.cfg.data.vocab_size)
