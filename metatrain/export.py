@@ -12,6 +12,7 @@ format with hf).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -80,7 +81,8 @@ class Exported:
 
     params: object  # as saved (nnx Variables as {"value": array} dicts)
     model: ModelConfig | None  # the model they are the parameters of; None when they are not a model's
-    info: dict  # kind, task, step, what; hf_config, tokenizer_dir and the run's workdir where known
+    info: dict  # kind, task, step, what; hf_config and tokenizer_dir where known
+    run: Run | None = None  # the run they came from (None: an export dir)
 
 
 def _pure(tree):
@@ -136,24 +138,24 @@ def _merged(cfg, model: ModelConfig, adapters):
 def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exported:
     run = Run.open(workdir)  # its config as it ran: the data sources may be gone
     cfg, model, saved = run.cfg, run.model, run.saved
-    info = {"task": cfg.task, "step": run.step, "workdir": run.workdir, **_origin(cfg.inner.init_from,
-                                                                               cfg.data.tokenizer)}
+    info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
+    out = functools.partial(Exported, run=run)
     lora = cfg.inner.lora.rank > 0
     if adapters and not lora:
         raise ConfigError(f"export --adapters: {workdir} is not a LoRA run (inner.lora.rank=0); export without it")
 
     def model_out(params, which):  # a LoRA run's model: merged, or its adapters alone
         if not lora:
-            return Exported(params, model, dict(info, kind="meta-train", what=which))
+            return out(params, model, dict(info, kind="meta-train", what=which))
         if adapters:
-            return Exported(params, None, dict(info, kind="meta-train", what=which, lora=dataclasses.asdict(
+            return out(params, None, dict(info, kind="meta-train", what=which, lora=dataclasses.asdict(
                 cfg.inner.lora), base=cfg.inner.init_from or f"random (seed {cfg.seed})", base_model=dataclasses.asdict(
                 model)))
-        return Exported(_merged(cfg, model, params), model, dict(info, kind="meta-train", what=which, merged_lora=True))
+        return out(_merged(cfg, model, params), model, dict(info, kind="meta-train", what=which, merged_lora=True))
     if run.kind == "pretrain":  # its parameters are the model
         if what not in (None, "inner"):
             raise ConfigError(f"export --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
-        return Exported(run.part("params"), model, dict(info, kind="pretrain", what="inner"))
+        return out(run.part("params"), model, dict(info, kind="pretrain", what="inner"))
     if what in ("inner", "baseline"):
         key = "inner" if what == "inner" else "base"
         if key not in saved or saved[key] is None:
@@ -172,8 +174,8 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
         return model_out(meta, "meta")
     if isinstance(meta, dict) and isinstance(meta.get("lm"), dict):  # loss weighting's scorer
         scorer = config_lib.meta_model_config(dataclasses.replace(cfg, model=model), check_vocab=False)
-        return Exported(meta["lm"], scorer or model, dict(info, kind="meta-train", what="meta"))
-    return Exported(meta, None, dict(info, kind="meta-train", what="meta"))
+        return out(meta["lm"], scorer or model, dict(info, kind="meta-train", what="meta"))
+    return out(meta, None, dict(info, kind="meta-train", what="meta"))
 
 
 def _from_export_dir(path: str, what: str | None) -> Exported:
@@ -237,7 +239,7 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     else:
         with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
             checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
-        payload = {k: v for k, v in info.items() if k not in ("tokenizer_dir", "workdir")}
+        payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
         payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
         with open(os.path.join(out, "export.json"), "w") as f:
             json.dump(payload, f, indent=1)

@@ -14,7 +14,6 @@ def _model(src: str, what: str | None, tokenizer: str | None):
     from metatrain import hf, paths
     from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
     from metatrain.errors import ConfigError
-    from metatrain.run import Run
 
     if src.startswith(HF_PREFIX):
         directory = paths.local(src[len(HF_PREFIX):])
@@ -26,8 +25,8 @@ def _model(src: str, what: str | None, tokenizer: str | None):
                           "export dir of a model, or hf:DIR")
     if tokenizer is None and exported.info.get("tokenizer_dir"):
         tokenizer = HF_PREFIX + exported.info["tokenizer_dir"]
-    if tokenizer is None and exported.info.get("workdir"):  # a run's: the tokenizer it trained with
-        return exported.model, export_lib._pure(exported.params), Run.open(exported.info["workdir"]).tokenizer()
+    if tokenizer is None and exported.run is not None:  # a run's: the tokenizer it trained with
+        return exported.model, export_lib._pure(exported.params), exported.run.tokenizer()
     if tokenizer is None:
         raise ConfigError(f"generate: {src} names no tokenizer; give --tokenizer (a tiktoken encoding or hf:DIR)")
     return exported.model, export_lib._pure(exported.params), load_tokenizer(tokenizer)
