@@ -20,6 +20,7 @@ import json
 import os
 import random
 
+from metatrain import paths
 from metatrain.data.noisy import builtin_sets
 from metatrain.errors import ConfigError
 
@@ -106,17 +107,17 @@ def make_chat(out: str, seed: int = 0, vocab_size: int = 1024, heldout: float = 
     if not 300 <= vocab_size <= 1 << 17:
         raise ConfigError(f"--vocab-size {vocab_size}: give 300 to {1 << 17} tokens")
     rng = random.Random(seed)
-    src, sets = builtin_sets(out, rng, heldout, trusted)
+    src, sets = builtin_sets(out, rng, heldout, trusted, "data make-chat --out")
     chats = {name: [c for i in ids for c in conversations(requests_of(src[i]), rng)] for name, ids in sets.items()}
-    os.makedirs(out, exist_ok=True)
-    for name, rows in chats.items():
-        with open(os.path.join(out, FILES[name]), "w") as f:
-            for i, messages in enumerate(rows):
-                f.write(json.dumps({"id": f"{name}-{i:06d}", "messages": messages}) + "\n")
-    write_tokenizer(os.path.join(out, "tokenizer"), [render(m) for m in chats["train"]], vocab_size)
-    manifest = {"seed": seed, "conversations": {name: len(rows) for name, rows in chats.items()},
-                "files": {**FILES, "tokenizer": "tokenizer/"}, "vocab_size": vocab_size,
-                "source": "documented functions of the built-in corpus's modules, whole modules per set"}
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    with paths.filled_dir(out):  # an error or a signal leaves nothing behind
+        for name, rows in chats.items():
+            with open(os.path.join(out, FILES[name]), "w") as f:
+                for i, messages in enumerate(rows):
+                    f.write(json.dumps({"id": f"{name}-{i:06d}", "messages": messages}) + "\n")
+        write_tokenizer(os.path.join(out, "tokenizer"), [render(m) for m in chats["train"]], vocab_size)
+        manifest = {"seed": seed, "conversations": {name: len(rows) for name, rows in chats.items()},
+                    "files": {**FILES, "tokenizer": "tokenizer/"}, "vocab_size": vocab_size,
+                    "source": "documented functions of the built-in corpus's modules, whole modules per set"}
+        with open(os.path.join(out, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
     return manifest

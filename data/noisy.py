@@ -26,6 +26,7 @@ import json
 import os
 import random
 
+from metatrain import paths
 from metatrain.errors import ConfigError
 
 KINDS = ("mojibake", "ocr", "whitespace", "blob", "caps", "boilerplate", "near_duplicate", "truncated", "shuffled")
@@ -102,13 +103,13 @@ def defect(kind: str, text: str, rng: random.Random, pool: list[str]) -> str:
     raise ValueError(f"unknown defect kind {kind!r}")
 
 
-def builtin_sets(out: str, rng: random.Random, heldout: float, trusted: float) -> tuple[object, dict]:
+def builtin_sets(out: str, rng: random.Random, heldout: float, trusted: float, flag: str = "--out"
+                 ) -> tuple[object, dict]:
     """(the built-in corpus, its documents' indices split into held-out, trusted and training sets at random), once
-    `out` is known to be a new or empty directory."""
+    `out` is known to be a new or empty directory (`paths.output`; `flag` names it in errors)."""
     from metatrain.data.sources import open_source
 
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"--out {out} exists and is not an empty directory; give a new one")
+    paths.output(out, flag, directory=True)
     src = open_source("builtin")
     docs = list(range(len(src)))
     rng.shuffle(docs)
@@ -133,7 +134,7 @@ def make_noisy(out: str, rate: float = 0.3, seed: int = 0, heldout: float = 0.1,
     if not 0 <= rate < 1:
         raise ConfigError(f"--rate {rate}: the fraction of defective documents must be in [0, 1)")
     rng = random.Random(seed)
-    src, sets = builtin_sets(out, rng, heldout, trusted)
+    src, sets = builtin_sets(out, rng, heldout, trusted, "data make-noisy --out")
     pieces = {name: [p for i in ids for p in pieces_of(src[i], rng)] for name, ids in sets.items()}
     train = pieces["train"]
     labels = ["none"] * len(train)
@@ -142,18 +143,18 @@ def make_noisy(out: str, rate: float = 0.3, seed: int = 0, heldout: float = 0.1,
         labels[i] = KINDS[k % len(KINDS)]
     clean = [t for t, label in zip(train, labels) if label == "none"] or train
     texts = [t if label == "none" else defect(label, t, rng, clean) for t, label in zip(train, labels)]
-    os.makedirs(out, exist_ok=True)
     counts = {}
-    for name, rows in (("train", list(zip(texts, labels))), ("trusted", [(t, "none") for t in pieces["trusted"]]),
-                       ("heldout", [(t, "none") for t in pieces["heldout"]])):
-        with open(os.path.join(out, FILES[name]), "w") as f:
-            for i, (text, label) in enumerate(rows):
-                f.write(json.dumps({"id": f"{name}-{i:06d}", "text": text, "defect": label}) + "\n")
-        counts[name] = len(rows)
-    manifest = {"seed": seed, "rate": rate, "documents": counts,
-                "defects": {kind: labels.count(kind) for kind in KINDS}, "files": FILES,
-                "source": "the built-in corpus, cut into pieces of 600 to 1,500 characters; whole source documents "
-                          "per set"}
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    with paths.filled_dir(out):  # an error or a signal leaves nothing behind
+        for name, rows in (("train", list(zip(texts, labels))), ("trusted", [(t, "none") for t in pieces["trusted"]]),
+                           ("heldout", [(t, "none") for t in pieces["heldout"]])):
+            with open(os.path.join(out, FILES[name]), "w") as f:
+                for i, (text, label) in enumerate(rows):
+                    f.write(json.dumps({"id": f"{name}-{i:06d}", "text": text, "defect": label}) + "\n")
+            counts[name] = len(rows)
+        manifest = {"seed": seed, "rate": rate, "documents": counts,
+                    "defects": {kind: labels.count(kind) for kind in KINDS}, "files": FILES,
+                    "source": "the built-in corpus, cut into pieces of 600 to 1,500 characters; whole source "
+                              "documents per set"}
+        with open(os.path.join(out, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
     return manifest

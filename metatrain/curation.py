@@ -94,7 +94,8 @@ def _say(message: str) -> None:
 
 @dataclasses.dataclass
 class Documents:
-    """The training documents in file order: raw lines, texts and defect labels ("" when the data has none)."""
+    """The training documents in file order: raw lines, texts and defect labels ("" when the data has none; a null
+    label is "none", a clean document)."""
 
     lines: list[bytes]
     texts: list[str]
@@ -114,7 +115,11 @@ class Documents:
                     raise ConfigError(f"{path}:{n}: a record needs a string field 'text'")
                 lines.append(raw if raw.endswith(b"\n") else raw + b"\n")
                 texts.append(record["text"])
-                defects.append(str(record.get("defect", "")))
+                defect = record.get("defect", "")
+                if defect is not None and not isinstance(defect, str):
+                    raise ConfigError(f"{path}:{n}: 'defect' is {defect!r}; give a label as text (\"none\" or null "
+                                      "for a clean document)")
+                defects.append("none" if defect is None else defect)
         if not lines:
             raise ConfigError(f"{path} holds no documents")
         return cls(lines, texts, defects)
@@ -147,6 +152,7 @@ def _fit(trainer_cls, cfg, what: str, progress: bool = False):
     if os.path.isdir(cfg.workdir) and not workdir_lib.has_checkpoint(cfg.workdir):
         shutil.rmtree(cfg.workdir)  # started, nothing saved: start again
     trainer = trainer_cls(cfg, show_progress=progress)
+    trainer.continue_hint = "run the same `metatrain experiment curation` command again to continue"
     if workdir_lib.has_checkpoint(cfg.workdir):
         step = trainer.restore()
         _say(f"{what}: continuing from step {step}")
@@ -237,8 +243,14 @@ class Experiment:
     def _claim(self) -> None:
         from metatrain.paths import read_json
 
-        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, "experiment.json")
+        if not os.path.isfile(path):  # a new experiment: DIR by the rule every command's output follows
+            if os.path.isdir(self.dir) and os.listdir(self.dir):
+                raise ConfigError(f"experiment curation DIR: {self.dir} is not empty and holds no experiment; give a "
+                                  "new directory")
+            paths.output(self.dir, "experiment curation DIR", directory=True,
+                         inputs=[self.data] if self.settings["data"] else ())
+        os.makedirs(self.dir, exist_ok=True)
         if os.path.isfile(path):
             saved = read_json(path, "experiment settings file")
             if saved != self.settings:
@@ -246,8 +258,6 @@ class Experiment:
                 raise ConfigError(f"{self.dir} holds an experiment with {diff} {saved.get(diff)!r}, not "
                                   f"{self.settings[diff]!r}: run it with its settings to continue it, or give a new "
                                   "directory")
-        elif os.listdir(self.dir):
-            raise ConfigError(f"{self.dir} is not empty and holds no experiment; give a new directory")
         else:
             paths.write_json(path, self.settings)
 

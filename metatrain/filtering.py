@@ -235,9 +235,6 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     if method == "topk" and round(batch / (1 - drop)) <= batch:
         raise ConfigError(f"--batch {batch} with --drop {drop}: a group of round(B/(1−ρ)) = {round(batch / (1 - drop))}"
                           " drops nothing; raise --batch")
-    out = paths.local(out)
-    if os.path.exists(out):
-        raise ConfigError(f"--out {out} exists; give a new directory (filter never writes over earlier output)")
     source = paths.prefixed(source, tuple(records.FORMATS))
     kind, pattern = records.input_format(source)
     run = Run.open(workdir).meta_training()
@@ -245,12 +242,21 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
         raise ConfigError(f"{workdir} is a {run.cfg.task!r} run: filtering needs a loss-weighting run's scores "
                           "(task=loss_weighting)")
     files = records.files(kind, pattern)
+    out = paths.local(out)
+    staging = os.path.join(out, ".parts")
+    # a filter killed past any clean-up (SIGKILL, a lost machine) leaves OUT holding only its staging: started again
+    stranded = os.path.isdir(out) and os.listdir(out) == [".parts"]
+    made = stranded or not os.path.exists(out)
+    if not stranded:  # filter never writes over earlier output
+        paths.output(out, "filter --out", directory=True, inputs=[*files, os.path.join(run.workdir, "config.yaml")])
     records.check_not_empty(kind, files, source)
     part, parts = jax.process_index(), jax.process_count()
     main = part == 0
     distributed.barrier("filter:checked")  # every process has checked OUT before process 0 makes it
-    staging = os.path.join(out, ".parts")
     if main:
+        if stranded:
+            print(f"filter: starting again in {out}, which an interrupted filter left unfinished", file=sys.stderr)
+            shutil.rmtree(staging)
         os.makedirs(staging)
     distributed.barrier("filter:made")
     tic = time.perf_counter()
@@ -290,9 +296,12 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
             paths.write_json(os.path.join(out, "manifest.json"), manifest)
             shutil.rmtree(staging)
         return manifest
-    except (MetatrainError, KeyboardInterrupt):
-        if main:  # nothing half-written is left behind
-            shutil.rmtree(out, ignore_errors=True)
+    except (MetatrainError, KeyboardInterrupt):  # KeyboardInterrupt: Ctrl-C, or SIGTERM (`metatrain.cli`)
+        if main:  # nothing half-written is left behind: OUT goes, or what went into a folder the user made
+            for name in os.listdir(out) if os.path.isdir(out) and not made else []:
+                paths.remove(os.path.join(out, name))
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
         raise
 
 

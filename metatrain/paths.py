@@ -7,8 +7,10 @@ URL-style paths (`gs://...`) are left as they are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 
 
 def is_remote(path: str) -> bool:
@@ -44,6 +46,105 @@ def output_file(path: str, flag: str) -> str:
         raise ConfigError(f"{flag}: {parent} is a file, so {path} cannot be written; give another path")
     os.makedirs(parent, exist_ok=True)
     return path
+
+
+def _same(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def output(path: str, flag: str, *, directory: bool = False, inputs=(), overwrite: bool | None = None) -> str:
+    """The one rule for what `scores`, `filter`, `data make-noisy`/`make-chat` and `experiment curation` write,
+    checked before any work: OUT is refused when it is one of the command's inputs, when a file stands where a
+    directory is needed (OUT itself, or a folder above it), or when it is already there: a file, or a directory
+    holding anything. `overwrite` None: the command has no --overwrite; False/True: whether it was given (then an
+    existing file is replaced). Returns OUT absolute; nothing is made yet (`staged_file`, `filled_dir` do).
+
+    Args:
+      path: OUT as the user gave it.
+      flag: how the error names it (e.g. `scores --out`).
+      directory: OUT is a directory the command fills (else a file).
+      inputs: the paths the command reads.
+      overwrite: see above.
+    """
+    from metatrain.errors import ConfigError
+
+    path = local(path)
+    for given in inputs:
+        if given and not is_remote(str(given)) and os.path.exists(given) and os.path.exists(path) and _same(
+                path, given):
+            raise ConfigError(f"{flag}: {path} is one of the command's inputs; give a new path")
+    above = os.path.dirname(path)
+    while above and not os.path.exists(above):
+        above = os.path.dirname(above)
+    if above and not os.path.isdir(above):
+        raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be made; give another path")
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} is a file; give a new directory")
+    if not directory and os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} is a directory; give the path of a file to write")
+    there = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
+    if there and not overwrite:
+        what = "already exists and is not empty; give a new directory" if directory else \
+            "already exists; give a new path"
+        raise ConfigError(f"{flag}: {path} {what}{'' if overwrite is None else ', or --overwrite to replace it'}")
+    return path
+
+
+def remove(path: str) -> None:
+    """A file or directory gone, if it was there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def staged_file(path: str):
+    """Write `path` through `path.tmp`: the block writes the temporary file, which replaces `path` at the end; an
+    error or a signal (KeyboardInterrupt) in the block removes it, so nothing half-written is ever left."""
+    tmp, first = f"{path}.tmp", _first_missing(os.path.dirname(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+        first = None
+    finally:
+        remove(tmp)
+        if first:  # folders made for it, on the way to an error
+            remove(first)
+
+
+def _first_missing(folder: str) -> str | None:
+    """The highest folder on the way to `folder` that does not exist yet (None: it exists)."""
+    first = None
+    while folder and not os.path.exists(folder):
+        first, folder = folder, os.path.dirname(folder)
+    return first
+
+
+@contextlib.contextmanager
+def filled_dir(path: str):
+    """A directory the block fills (made if missing): an error or a signal in the block takes out what the block
+    put there (the whole directory when the block made it), so a re-run finds it as it was."""
+    first = _first_missing(path)
+    before = set() if first else set(os.listdir(path))
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if first:
+            remove(first)
+        else:
+            for name in set(os.listdir(path)) - before:
+                remove(os.path.join(path, name))
+        raise
 
 
 def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: tuple[str, str] | None = None) -> str:

@@ -13,6 +13,7 @@ run's validation documents by default.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from metatrain.config import Config
 from metatrain.data import records
 from metatrain.data.pipeline import document_source, encoder, fields, split_ids
 from metatrain.data.pipeline import where as where_
-from metatrain.errors import ConfigError, DataError
+from metatrain.errors import ConfigError, DataError, MetatrainError
 from metatrain.run import Run, on_one_device
 
 
@@ -142,25 +143,40 @@ def batch_weights(scores: np.ndarray, batch: int) -> np.ndarray:
     return batch / (1 + (batch - 1) * np.exp(log_mean - scores))
 
 
-def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4) -> tuple[str, int]:
+def _inputs(run: Run, spec: str) -> list[str]:
+    """The files `scores` reads: the run's own and the documents' (a JSONL or Parquet glob's matches)."""
+    found = [os.path.join(run.workdir, name) for name in ("config.yaml", "metrics.jsonl")]
+    if spec.startswith(tuple(records.FORMATS)):
+        kind, pattern = records.input_format(spec)
+        with contextlib.suppress(MetatrainError):  # no match: said when the documents are read
+            found += records.files(kind, pattern)
+    return found
+
+
+def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4,
+           overwrite: bool = False) -> tuple[str, int]:
     """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
-    the run's data.source). Returns (the path, the number of documents)."""
+    the run's data.source). Returns (the path, the number of documents).
+
+    OUT is checked before any scoring (`paths.output`): one of the inputs, a directory, or an existing file
+    without `overwrite` is refused; it is written through OUT.tmp, removed on any error or signal."""
     run = Run.open(workdir).meta_training()  # reads metadata only: the output is checked before any scoring
-    out = paths.output_file(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out")
     source = paths.prefixed(source, config_lib.USER_SOURCES)
+    spec = source or run.cfg.data.source
+    out = paths.output(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out",
+                       inputs=_inputs(run, spec), overwrite=overwrite)
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"scores: task {run.cfg.task!r} of {workdir} has no per-example scores (loss_weighting "
                           f"has)")
     encode = encoder(run.cfg.data, run.tokenizer())
     fn = jax.jit(run.task.scores)
-    spec = source or run.cfg.data.source
     if spec.startswith(tuple(records.FORMATS)):  # streamed: bounded memory whatever the file's size
         return _scores_streamed(run, spec, out, encode, fn, max_rows)
     docs = document_source(run.cfg.data, spec)
     values, _ = _per_document(fn, run.restored("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows,
                               "scoring")
     weights = batch_weights(values, run.cfg.data.batch)
-    with open(out, "w") as f:
+    with paths.staged_file(out) as tmp, open(tmp, "w") as f:
         for i in range(len(docs)):
             score = float(values[i]) if np.isfinite(values[i]) else None  # an empty document has no score
             weight = float(weights[i]) if np.isfinite(weights[i]) else None
@@ -169,14 +185,24 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
 
 
 def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -> tuple[str, int]:
-    """`scores` of a JSONL or Parquet source, streamed: one pass scores every document into OUT.tmp (and the
+    """`scores` of a JSONL or Parquet source, streamed: one pass scores every document into OUT.scores.tmp (and the
     log-mean of e^score the weights need), a second writes OUT with the weights."""
     kind, pattern = records.input_format(spec)
     files = records.files(kind, pattern)
     mine = records.share(kind, files, 0, 1)
+    tmp = f"{out}.scores.tmp"  # the first pass's; OUT itself is written through OUT.tmp
+    try:
+        with paths.staged_file(out) as final:
+            n = _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final)
+        return out, n
+    finally:
+        paths.remove(tmp)
+
+
+def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final) -> int:
+    """Scores into `tmp` (and the log-mean of e^score), then the lines with weights into `final`; the count."""
     d = run.cfg.data
     n, finite, log_sum = 0, 0, -math.inf
-    tmp = f"{out}.tmp"
     with open(tmp, "w") as f, tqdm(total=mine.size, desc="scoring", unit="B" if kind == "jsonl" else " docs",
                                    unit_scale=kind == "jsonl", file=sys.stderr, mininterval=1.0) as bar:
         for rec, _, score, where in score_stream(fn, run.restored("meta"), records.read(kind, files, mine, fields(d),
@@ -189,20 +215,17 @@ def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -
                 log_sum = np.logaddexp(log_sum, score)
             bar.update(where - bar.n)
     if not n:
-        os.remove(tmp)
         raise DataError(f"scores: {spec} holds no documents")
     if not finite:
-        os.remove(tmp)
         raise DataError(f"scoring: none of the {n:,} documents has a token to predict (empty texts, or a document of "
                         "one token); nothing to score")
     log_mean = log_sum - math.log(finite)
-    with open(tmp) as f, open(out, "w") as g:
+    with open(tmp) as f, open(final, "w") as g:
         for line in f:
             doc_id, score = json.loads(line)
             weight = None if score is None else d.batch / (1 + (d.batch - 1) * math.exp(log_mean - score))
             g.write(json.dumps({"id": doc_id, "score": score, "weight": weight}) + "\n")
-    os.remove(tmp)
-    return out, n
+    return n
 
 
 def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:

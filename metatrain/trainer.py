@@ -112,6 +112,7 @@ class Trainer:
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
         self._stop_signal = None
+        self.continue_hint = "run again with --resume to continue"  # after a stop by signal; callers may say theirs
 
     # ---- the program ---------------------------------------------------------------------------
     def _program(self) -> step_lib.Program:
@@ -282,7 +283,7 @@ class Trainer:
             step = int(self.state["step"])
             saved = (f"checkpoint {step} saved" if self.checkpoints.last_saved == step else self._last_checkpoint())
             raise TrainingError(f"stopped by {self._stop_signal} at step {step}; {saved} (the signal came while "
-                                "waiting for data), run again with --resume to continue")
+                                f"waiting for data), {self.continue_hint}")
 
     def _last_checkpoint(self) -> str:
         step = self.checkpoints.last_saved
@@ -352,7 +353,7 @@ class Trainer:
                 if self._stop_signal:
                     self.save()
                     raise TrainingError(f"stopped by {self._stop_signal} at step {step + 1}; checkpoint {step + 1} "
-                                        f"saved, run again with --resume to continue")
+                                        f"saved, {self.continue_hint}")
             self.save()
         finally:
             bar.close()

@@ -104,7 +104,7 @@ def cmd_import_hf(args) -> int:
 def cmd_scores(args) -> int:
     from metatrain.scores import scores
 
-    out, n = scores(args.workdir, args.data, args.out, args.max_rows)
+    out, n = scores(args.workdir, args.data, args.out, args.max_rows, args.overwrite)
     print(f"wrote {out}: score and weight of {n:,} documents")
     return 0
 
@@ -199,7 +199,9 @@ def register(sub) -> None:
     p.add_argument("workdir", help="a `metatrain train` work dir (a task with scores: loss_weighting)")
     p.add_argument("--data", default=None, help="a data source (jsonl:, parquet:, dir:, hf-disk:, tfds:, builtin; "
                                                 "default: the run's data.source)")
-    p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl (its folder is made)")
+    p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl (its folder is made; never one of the "
+                                               "inputs)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--max-rows", type=common.positive_int, default=4,
                    help="score a document by its first N rows of seq_len+1")
     p.set_defaults(fn=cmd_scores)

@@ -70,7 +70,7 @@ def test_make_noisy_refuses_a_used_dir_and_a_bad_rate(tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "mine.txt").write_text("keep me")
     assert cli.main(["data", "make-noisy", "--out", str(tmp_path / "used")]) == 2
-    assert "not an empty directory" in capsys.readouterr().err
+    assert "already exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "used" / "mine.txt").read_text() == "keep me"
     for rate in ("1", "-0.1", "x"):
         with pytest.raises(SystemExit):

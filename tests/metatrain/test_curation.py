@@ -87,3 +87,37 @@ def test_bad_settings_are_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["experiment", "curation", str(tmp_path / "new"), "--drop", "0.1,1.5"])
     assert "each fraction to drop must be in (0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_defect_labels_null_is_clean_and_other_values_are_refused(tmp_path):
+    from metatrain.curation import Documents
+    from metatrain.errors import ConfigError
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}", "defect": d}) + "\n"
+                            for i, d in enumerate(["none", None, "ocr"])))
+    assert Documents.read(str(path)).defects == ["none", "none", "ocr"]
+    path.write_text(json.dumps({"text": "doc", "defect": 3}) + "\n")
+    with pytest.raises(ConfigError, match=r"train.jsonl:1: 'defect' is 3"):
+        Documents.read(str(path))
+
+
+def test_an_arm_stopped_by_a_signal_says_how_the_experiment_continues(tmp_path, monkeypatch):
+    """The arms train with the Trainer, whose stop-by-signal line would say `--resume`: the experiment has none."""
+    from metatrain import curation
+
+    class Fake:
+        def __init__(self, cfg, show_progress=False):
+            self.cfg = cfg
+
+        def train(self):
+            from metatrain.errors import TrainingError
+
+            raise TrainingError(f"stopped by SIGTERM at step 3; checkpoint 3 saved, {self.continue_hint}")
+
+    cfg = type("Cfg", (), {"workdir": str(tmp_path / "arm")})()
+    monkeypatch.setattr("metatrain.config.write_text", lambda *a: None)
+    monkeypatch.setattr("metatrain.config.to_yaml", lambda c: "")
+    with pytest.raises(Exception, match="run the same `metatrain experiment curation` command again") as e:
+        curation._fit(Fake, cfg, "arm x")
+    assert "--resume" not in str(e.value)

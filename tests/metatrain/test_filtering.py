@@ -178,20 +178,49 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_run, tmp_path, capsys):
     empty.write_text("\n\n")
     exists = tmp_path / "exists"
     exists.mkdir()
+    (exists / "mine.txt").write_text("mine")
     out = tmp_path / "out"
     cases = [([str(other), "--data", f"jsonl:{path}", "--out", str(out), "--drop", "0.3"],
               "filtering needs a loss-weighting run"),
              ([run, "--data", f"jsonl:{empty}", "--out", str(out), "--drop", "0.3"], "no documents"),
-             ([run, "--data", f"jsonl:{path}", "--out", str(exists), "--drop", "0.3"], "exists; give a new directory"),
+             ([run, "--data", f"jsonl:{path}", "--out", str(exists), "--drop", "0.3"],
+              "already exists and is not empty; give a new directory"),
              ([run, "--data", "builtin", "--out", str(out), "--drop", "0.3"], "give jsonl:PATH_OR_GLOB")]
     for args, message in cases:
         assert cli.main(["filter", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
-        assert not out.exists() and not any(exists.iterdir())
+        assert not out.exists() and [p.name for p in exists.iterdir()] == ["mine.txt"]
     for drop in ("0", "1", "1.5", "-0.1"):
         with pytest.raises(SystemExit) as e:
             cli.main(["filter", run, "--data", f"jsonl:{path}", "--out", str(out), "--drop", drop])
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "must be in (0, 1)" in err and not out.exists()
+
+
+def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_run, tmp_path, capsys):
+    """SIGTERM (a scheduler, `timeout`) stops `filter` as Ctrl-C does: OUT goes, exit 143. A filter killed past any
+    clean-up (SIGKILL) leaves OUT holding only `.parts/`: the next run starts again there and finishes."""
+    import signal
+    import time
+
+    from helpers import metatrain
+
+    path, _ = _corpus(tmp_path, n_docs=4000)
+    out = tmp_path / "cur"
+    proc = metatrain("filter", shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3",
+                     background=True)
+    deadline = time.time() + 120
+    while not (out / ".parts").is_dir():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "metatrain filter: stopped by SIGTERM" in err, err[-3000:]
+    assert "Traceback" not in err and not out.exists()
+    (out / ".parts").mkdir(parents=True)  # as SIGKILL leaves it
+    (out / ".parts" / "scores-00000.bin").write_bytes(b"\0" * 24)
+    assert _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3") == 0
+    assert "starting again" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.jsonl"]

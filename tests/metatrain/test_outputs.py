@@ -90,3 +90,110 @@ def test_plot_reads_a_cut_off_and_a_resumed_metrics_file(shared_run, tmp_path, c
     assert [r["outer_loss"] for r in rows if "meta_grad_norm" in r][2:] == [r["outer_loss"] for r in again]
     assert "cut off" in capsys.readouterr().err
     assert _main(capsys, "plot", run)[0] == 0
+
+
+# ---- one rule for outputs: scores, filter, data make-noisy / make-chat, experiment curation -----------------------
+def _docs(path, n=40, bad_at=None):
+    lines = [json.dumps({"id": f"d{i}", "text": f"document {i}: " + " ".join(f"w{j}" for j in range(i % 5, 40))})
+             for i in range(n)]
+    if bad_at is not None:
+        lines[bad_at] = '{"id": "broken", "text": '
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_scores_never_writes_over_its_input_or_an_earlier_file(shared_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = _docs(tmp_path / "corpus.jsonl")
+    before = corpus.read_bytes()
+    run = shared_run["workdir"]
+    for out in ("corpus.jsonl", str(corpus)):  # relative or absolute: the user's corpus is refused before any read
+        for extra in ((), ("--overwrite",)):
+            code, _, err = _main(capsys, "scores", run, "--data", "jsonl:corpus.jsonl", "--out", out, *extra)
+            assert code == 2
+            one_line_error(err, "scores --out", "is one of the command's inputs")
+    assert corpus.read_bytes() == before
+    code, _, err = _main(capsys, "scores", run, "--data", "jsonl:corpus.jsonl", "--out", "afile/s.jsonl")
+    assert code == 0  # a missing folder is made
+    code, _, err = _main(capsys, "scores", run, "--data", "jsonl:corpus.jsonl", "--out", "afile/s.jsonl")
+    one_line_error(err, "scores --out", "already exists", "--overwrite")
+    assert _main(capsys, "scores", run, "--data", "jsonl:corpus.jsonl", "--out", "afile/s.jsonl", "--overwrite")[0] == 0
+    assert len((tmp_path / "afile" / "s.jsonl").read_text().splitlines()) == 40
+    code, _, err = _main(capsys, "scores", run, "--data", "jsonl:corpus.jsonl", "--out", "corpus.jsonl/s.jsonl")
+    one_line_error(err, "scores --out", "is a file")
+
+
+def test_scores_stopped_by_a_bad_record_or_a_signal_leaves_no_temporary_file(shared_run, tmp_path, capsys,
+                                                                            monkeypatch):
+    run = shared_run["workdir"]
+    bad = _docs(tmp_path / "bad.jsonl", n=60, bad_at=45)
+    code, _, err = _main(capsys, "scores", run, "--data", f"jsonl:{bad}", "--out", tmp_path / "new" / "s.jsonl")
+    assert code == 2
+    one_line_error(err, "bad.jsonl:46")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no s.jsonl.tmp, no folder made for it
+    from metatrain import scores as scores_lib
+
+    def interrupted(*a, **k):  # Ctrl-C (or SIGTERM, which the command line turns into the same) while scoring
+        yield from ()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scores_lib, "score_stream", interrupted)
+    code, _, err = _main(capsys, "scores", run, "--data", f"jsonl:{_docs(tmp_path / 'ok.jsonl')}", "--out",
+                         tmp_path / "s.jsonl")
+    assert code == 130 and "stopped by SIGINT" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "ok.jsonl"]
+
+
+def test_make_noisy_and_make_chat_check_out_and_leave_nothing_when_stopped(tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("mine")
+    for cmd in ("make-noisy", "make-chat"):
+        code, _, err = _main(capsys, "data", cmd, "--out", tmp_path / "afile" / "sub")
+        assert code == 2
+        one_line_error(err, f"data {cmd} --out", "afile is a file")
+        code, _, err = _main(capsys, "data", cmd, "--out", tmp_path / "afile")
+        one_line_error(err, f"data {cmd} --out", "is a file; give a new directory")
+    assert (tmp_path / "afile").read_text() == "mine"
+    from metatrain.data import noisy
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(noisy.json, "dump", stop)  # the manifest, written last
+    assert _main(capsys, "data", "make-noisy", "--out", tmp_path / "new" / "noisy")[0] == 130
+    (tmp_path / "empty").mkdir()
+    assert _main(capsys, "data", "make-noisy", "--out", tmp_path / "empty")[0] == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"] and not any((tmp_path / "empty").iterdir())
+
+
+def test_experiment_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("mine")
+    code, _, err = _main(capsys, "experiment", "curation", tmp_path / "afile", "--scale", "micro")
+    assert code == 2
+    one_line_error(err, "experiment curation DIR", "is a file")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_sigterm_stops_a_command_like_ctrl_c():
+    """The command line turns SIGTERM into the interrupt its commands clean up after, exit 128 + 15."""
+    import os
+    import signal
+
+    from metatrain.cli import build_parser
+
+    def fake(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    parser = build_parser()
+    real = parser.parse_args
+    try:
+        cli.build_parser = lambda: type("P", (), {"parse_args": lambda self, argv: _with_fn(real(argv), fake)})()
+        assert cli.main(["data", "make-noisy", "--out", "x"]) == 143
+    finally:
+        cli.build_parser = build_parser
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
+
+
+def _with_fn(args, fn):
+    args.fn = fn
+    return args

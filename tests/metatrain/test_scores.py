@@ -107,7 +107,7 @@ def test_streamed_scores_number_documents_as_their_source_does(shared_run, tmp_p
     pq.write_table(pa.table({"text": ["a = 1", "b = 2", "c = 3"]}), tmp_path / "p" / "a.parquet", row_group_size=2)
     pq.write_table(pa.table({"text": ["d = 4"]}), tmp_path / "p" / "b.parquet")
     for spec in (f"jsonl:{tmp_path}/j/*.jsonl", f"parquet:{tmp_path}/p/*.parquet"):
-        out = tmp_path / "s.jsonl"
+        out = tmp_path / f"s-{spec[:5]}.jsonl"
         assert cli.main(["scores", str(shared_run["workdir"]), "--data", spec, "--out", str(out)]) == 0
         source = open_source(spec)
         assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [
