@@ -194,7 +194,7 @@ def _template(directory: str, template: str = "") -> ChatTemplate:
 
 
 def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = False,
-           chat_template: str = "") -> tuple[list[int], list[int]]:
+           chat_template: str = "", where: str = "") -> tuple[list[int], list[int]]:
     """A conversation as the model's chat template renders it: token ids and the assistant mask.
 
     Args:
@@ -203,6 +203,7 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
       add_generation_prompt: end with the assistant's header, for generation (the mask is then the template's
         `generation` blocks only, where it has them).
       chat_template: a template file that replaces the model's.
+      where: how errors name the conversation (e.g. `FILE:LINE`).
 
     Returns:
       (ids, assistant_mask): two lists of the same length; 1 marks the assistant's tokens.
@@ -210,4 +211,4 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
     if not tokenizer.startswith(HF_PREFIX):
         raise ConfigError(f"tokenizer {tokenizer!r}: chat needs a model's tokenizer and template, hf:DIR")
     return _template(os.path.abspath(tokenizer[len(HF_PREFIX):]), chat_template).encode(messages,
-                                                                                         add_generation_prompt)
+                                                                                         add_generation_prompt, where)

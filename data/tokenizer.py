@@ -22,6 +22,7 @@ class Tokenizer:
     def __init__(self, encoding: tiktoken.Encoding):
         self.encoding = encoding
         self.eot = encoding.eot_token
+        self.eos_ids = (self.eot,)  # the ids that end a generated text
         self.vocab_size = encoding.n_vocab
 
     def encode(self, text: str, eot: bool = True) -> np.ndarray:
@@ -53,6 +54,7 @@ class HFTokenizer:
         model_vocab = _model_vocab(directory)
         self.vocab_size = max(self.backend.get_vocab_size(with_added_tokens=True), model_vocab or 0)
         self.eot = _eos_id(directory, self.backend)
+        self.eos_ids = _all_eos_ids(directory, self.eot)  # the ids that end a generated text
 
     def encode(self, text: str, eot: bool = True) -> np.ndarray:
         ids = self.backend.encode(text, add_special_tokens=False).ids
@@ -91,6 +93,18 @@ def _eos_id(directory: str, backend) -> int:
             return backend.token_to_id(name)
     raise ConfigError(f"data.tokenizer: {directory} names no EOS token (config.json eos_token_id or "
                       f"tokenizer_config.json eos_token); documents need one as their separator")
+
+
+def _all_eos_ids(directory: str, eot: int) -> tuple[int, ...]:
+    """Every id that ends a generation: `eot` and each of config.json's and generation_config.json's
+    `eos_token_id` (an id or a list, as Llama 3's instruct models give several)."""
+    ids = [eot]
+    for name in ("config.json", "generation_config.json"):
+        eos = _read_json(os.path.join(directory, name)).get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
 
 
 HF_PREFIX = "hf:"

@@ -81,7 +81,7 @@ class Exported:
 
     params: object  # as saved (nnx Variables as {"value": array} dicts)
     model: ModelConfig | None  # the model they are the parameters of; None when they are not a model's
-    info: dict  # kind, task, step, what; hf_config and tokenizer_dir where known
+    info: dict  # kind, task, step, what; hf_config and tokenizer_dir, or tokenizer and tokenizer_vocab_size, if known
     run: Run | None = None  # the run they came from (None: an export dir)
 
 
@@ -139,6 +139,8 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
     run = Run.open(workdir)  # its config as it ran: the data sources may be gone
     cfg, model, saved = run.cfg, run.model, run.saved
     info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
+    if not cfg.data.tokenizer.startswith(HF_PREFIX):  # a tiktoken encoding: its name and the vocabulary it was cut to
+        info.update(tokenizer=cfg.data.tokenizer, tokenizer_vocab_size=cfg.data.vocab_size)
     out = functools.partial(Exported, run=run)
     lora = cfg.inner.lora.rank > 0
     if adapters and not lora:

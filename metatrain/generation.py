@@ -25,7 +25,7 @@ def generate(cfg: ModelConfig, params: dict, prompts: list[list[int]], max_new_t
       prompts: token-id lists, of any lengths (at least one token each).
       max_new_tokens: at most this many new tokens per prompt.
       temperature: 0 is greedy; above it, a draw from softmax(logits / temperature).
-      top_k: draw among the k likeliest tokens only (0: all).
+      top_k: draw among the k likeliest tokens only (0, or more than the vocabulary: all).
       top_p: draw among the likeliest tokens whose probabilities sum to top_p (1: all).
       seed: the draws' random key.
       eos: end-of-sequence id(s): a row stops after emitting one.
@@ -33,7 +33,13 @@ def generate(cfg: ModelConfig, params: dict, prompts: list[list[int]], max_new_t
     Returns:
       Per prompt, the list of new token ids, up to and including the first EOS.
     """
+    return decode.generate(model(cfg, params), prompts, max_new_tokens, temperature, top_k, top_p, seed, eos)
+
+
+def model(cfg: ModelConfig, params: dict):
+    """The NNX `Transformer` of `cfg` holding `params` (a pure dict); `decode.stream(model, ...)` generates from it
+    a chunk at a time."""
     graphdef, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    return decode.generate(nnx.merge(graphdef, state), prompts, max_new_tokens, temperature, top_k, top_p, seed, eos)
+    return nnx.merge(graphdef, state)
 

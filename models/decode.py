@@ -1,5 +1,6 @@
 """Decoding with a KV cache: a prefill pass over the prompts fills the cache, then one token per step in a
-compiled `lax.while_loop`, both through the model's own blocks (`Transformer.cached_logits`).
+compiled `lax.while_loop` of up to `CHUNK` steps per call (`stream` yields between calls, where a Ctrl-C is
+seen), both through the model's own blocks (`Transformer.cached_logits`).
 
 Prompts of different lengths share a batch left-padded: row b's prompt takes the last L_b of P slots, its
 positions count from 0 at its first token, and keys in its padding slots are never attended to. Every step writes
@@ -34,9 +35,13 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+CHUNK = 16  # tokens per compiled call: Ctrl-C / SIGTERM (KeyboardInterrupt) is seen between calls
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "temperature", "top_k", "top_p"))
-def _generate(graphdef, state, tokens, lengths, eos, key, *, max_new: int, temperature: float, top_k: int,
-              top_p: float):
+def _prefill(graphdef, state, tokens, lengths, eos, key, *, max_new: int, temperature: float, top_k: int,
+             top_p: float):
+    """The prompts through the model into a new cache; the first new token. Returns the decode carry."""
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     b, p = tokens.shape
@@ -52,14 +57,24 @@ def _generate(graphdef, state, tokens, lengths, eos, key, *, max_new: int, tempe
     key, sub = jax.random.split(key)
     first = choose(logits, sub, temperature, top_k, top_p)
     out = jnp.full((b, max_new), -1, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos)
+    return jnp.int32(1), first, cache, out, jnp.isin(first, eos), key
 
-    def cond(state):
-        t, _, _, _, done, _ = state
-        return (t < max_new) & ~done.all()
 
-    def step(state):
-        t, last, cache, out, done, key = state
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p"), donate_argnums=(6,))
+def _steps(graphdef, state, tokens, lengths, eos, stop, carry, *, temperature: float, top_k: int, top_p: float):
+    """Decode steps from `carry` until step `stop` (or every row has ended); returns the carry."""
+    model = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    max_new = carry[3].shape[1]
+    slots = jnp.arange(p + max_new)
+    real = slots[None, :] >= (p - lengths)[:, None]
+
+    def cond(carry):
+        t, _, _, _, done, _ = carry
+        return (t < stop) & ~done.all()
+
+    def step(carry):
+        t, last, cache, out, done, key = carry
         slot = p + t - 1  # where the last chosen token goes
         visible = (real & (slots[None, :] <= slot))[:, None, :]
         logits, cache = model.cached_logits(last[:, None], (lengths + t - 1)[:, None], cache, slot, visible)
@@ -67,12 +82,18 @@ def _generate(graphdef, state, tokens, lengths, eos, key, *, max_new: int, tempe
         nxt = jnp.where(done, -1, choose(logits, sub, temperature, top_k, top_p))
         return t + 1, nxt, cache, out.at[:, t].set(nxt), done | jnp.isin(nxt, eos), key
 
-    return jax.lax.while_loop(cond, step, (jnp.int32(1), first, cache, out, done, key))[3]
+    return jax.lax.while_loop(cond, step, carry)
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
-    """New tokens for each prompt from an NNX `Transformer` (`head="lm"`); see `metatrain.generation.generate`."""
+def cache_bytes(cfg, prompts: int, tokens: int) -> int:
+    """The KV cache's size for `prompts` rows of `tokens` slots (the longest prompt plus the new tokens)."""
+    return 2 * cfg.n_layers * prompts * tokens * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.activation_dtype).itemsize
+
+
+def stream(model, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None, chunk: int = CHUNK):
+    """`generate`, a chunk at a time: yields the new tokens of every prompt so far after each compiled call of up
+    to `chunk` steps (the last yield is `generate`'s result), so a caller can stop between calls."""
     if model.cfg.head != "lm":
         raise ValueError("generate: a model with a score head has no next-token logits")
     if not prompts or any(len(x) == 0 for x in prompts):
@@ -82,8 +103,23 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, temperat
     for i, x in enumerate(prompts):
         tokens[i, tokens.shape[1] - len(x):] = x
     eos_ids = jnp.asarray([-2] if eos is None else np.atleast_1d(eos), jnp.int32)
+    sampling = dict(temperature=float(temperature), top_k=min(int(top_k), model.cfg.vocab_size), top_p=float(top_p))
     graphdef, state = nnx.split(model)
-    out = np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), eos_ids,
-                               jax.random.key(seed), max_new=int(max_new_tokens), temperature=float(temperature),
-                               top_k=int(top_k), top_p=float(top_p)))
-    return [[int(t) for t in row if t >= 0] for row in out]
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    carry = _prefill(graphdef, state, tokens, lengths, eos_ids, jax.random.key(seed), max_new=int(max_new_tokens),
+                     **sampling)
+    while True:
+        t, done, out = int(carry[0]), bool(np.asarray(carry[4]).all()), np.asarray(carry[3])
+        yield [[int(x) for x in row if x >= 0] for row in out]
+        if t >= max_new_tokens or done:
+            return
+        carry = _steps(graphdef, state, tokens, lengths, eos_ids, jnp.int32(min(t + chunk, max_new_tokens)), carry,
+                       **sampling)
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None) -> list[list[int]]:
+    """New tokens for each prompt from an NNX `Transformer` (`head="lm"`); see `metatrain.generation.generate`.
+    A `top_k` above the vocabulary is all tokens."""
+    *_, out = stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos)
+    return out

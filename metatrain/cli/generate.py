@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from metatrain.cli import common
 
 
 def _model(src: str, what: str | None, tokenizer: str | None):
-    """(model config, pure-dict parameters, tokenizer) of SRC."""
+    """(model config, pure-dict parameters, tokenizer, chat template file, context length or None) of SRC."""
     from metatrain import export as export_lib
     from metatrain import hf, paths
     from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
@@ -18,67 +19,140 @@ def _model(src: str, what: str | None, tokenizer: str | None):
     if src.startswith(HF_PREFIX):
         directory = paths.local(src[len(HF_PREFIX):])
         cfg, params = hf.read(directory)
-        return cfg, params, load_tokenizer(tokenizer or HF_PREFIX + directory)
+        context = paths.read_json(os.path.join(directory, "config.json"), "config.json").get("max_position_embeddings")
+        return cfg, params, load_tokenizer(tokenizer or HF_PREFIX + directory), "", context
     exported = export_lib.read_source(src, what or "inner")
+    info = exported.info
     if exported.model is None or exported.model.head != "lm":
-        raise ConfigError(f"generate: {src} holds no language model ({exported.info.get('what')}); give a run, an "
+        raise ConfigError(f"generate: {src} holds no language model ({info.get('what')}); give a run, an "
                           "export dir of a model, or hf:DIR")
-    if tokenizer is None and exported.info.get("tokenizer_dir"):
-        tokenizer = HF_PREFIX + exported.info["tokenizer_dir"]
+    context = (info.get("hf_config") or {}).get("max_position_embeddings")
+    template = exported.run.cfg.data.chat_template if exported.run is not None else ""
+    params = export_lib._pure(exported.params)
+    if tokenizer is None and info.get("tokenizer_dir"):
+        tokenizer = HF_PREFIX + info["tokenizer_dir"]
     if tokenizer is None and exported.run is not None:  # a run's: the tokenizer it trained with
-        return exported.model, export_lib._pure(exported.params), exported.run.tokenizer()
+        return exported.model, params, exported.run.tokenizer(), template, context
+    if tokenizer is None and info.get("tokenizer"):  # an export of a tiktoken run: the encoding it named
+        tokenizer = info["tokenizer"]
     if tokenizer is None:
         raise ConfigError(f"generate: {src} names no tokenizer; give --tokenizer (a tiktoken encoding or hf:DIR)")
-    return exported.model, export_lib._pure(exported.params), load_tokenizer(tokenizer)
+    # the run's encoding, cut to the vocabulary it trained with; any other at its own
+    vocab = info.get("tokenizer_vocab_size") if tokenizer == info.get("tokenizer") else None
+    return exported.model, params, load_tokenizer(tokenizer, vocab), template, context
 
 
-def _prompts(args) -> list:
-    from metatrain.errors import DataError
+def _prompts(args) -> list[tuple[str | list, str]]:
+    """(a prompt: text or messages, where it came from) of --prompt or each line of --prompts."""
+    from metatrain import paths
+    from metatrain.data.sources import json_record
+    from metatrain.errors import ConfigError, DataError
 
     if args.prompt is not None:
-        return [args.prompt]
+        if not args.prompt:
+            raise ConfigError("generate --prompt: the prompt is empty; give some text")
+        return [(args.prompt, "--prompt")]
+    path = paths.local(args.prompts)
+    if not os.path.isfile(path):
+        raise ConfigError(f"generate --prompts: {path} " + ("is a directory" if os.path.isdir(path) else
+                                                            "not found") + "; give a JSON lines file")
     out = []
-    from metatrain.data.sources import json_record
-
-    with open(args.prompts, "rb") as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json_record(line, args.prompts, n)
+            record = json_record(line, path, n)
             value = record.get("messages", record.get("prompt"))
-            if not isinstance(value, (str, list)):
-                raise DataError(f"{args.prompts}:{n}: give a 'prompt' (text) or 'messages' (a conversation)")
-            out.append(value)
+            if not isinstance(value, (str, list)) or not value:
+                raise DataError(f"{path}:{n}: give a non-empty 'prompt' (text) or 'messages' (a conversation)")
+            out.append((value, f"{path}:{n}"))
+    if not out:
+        raise ConfigError(f"generate --prompts: {path} holds no prompts; write one JSON line per prompt, "
+                          '{"prompt": TEXT} or {"messages": [...]}')
     return out
 
 
-def cmd_generate(args) -> int:
+def _encode(prompts, tok, args, template: str) -> list[list[int]]:
+    from metatrain.data import chat
     from metatrain.data.tokenizer import HF_PREFIX
     from metatrain.errors import ConfigError
-    from metatrain.generation import generate
 
-    cfg, params, tok = _model(args.src, args.what, args.tokenizer)
-    prompts, ids = _prompts(args), []
-    for p in prompts:
+    ids = []
+    for p, where in prompts:
         if args.chat or isinstance(p, list):
-            from metatrain.data import chat
-
             if not hasattr(tok, "backend"):
                 raise ConfigError("generate --chat: a chat template comes with a Hugging Face tokenizer (hf:DIR)")
             messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            ids.append(chat.encode(messages, HF_PREFIX + tok.directory, add_generation_prompt=True)[0])
+            ids.append(chat.encode(messages, HF_PREFIX + tok.directory, add_generation_prompt=True,
+                                   chat_template=template, where=where)[0])
         else:
             ids.append([int(t) for t in tok.encode(p, eot=False)])
-    out = generate(cfg, params, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                   eos=tok.eot)
-    for p, new in zip(prompts, out):
-        text = tok.decode([t for t in new if t != tok.eot])
+        if not ids[-1]:
+            raise ConfigError(f"generate: the prompt of {where} encodes to no token; give some text")
+    return ids
+
+
+def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
+    """Token ids within the model's vocabulary; prompt + new tokens within its context; the KV cache in memory."""
+    from metatrain.errors import ConfigError
+    from metatrain.models import decode
+
+    high = max(max(x) for x in ids)
+    if high >= cfg.vocab_size:
+        raise ConfigError(f"generate: the tokenizer gives id {high}, beyond the model's vocabulary of "
+                          f"{cfg.vocab_size}; give the tokenizer the model was trained with (--tokenizer)")
+    longest = max(len(x) for x in ids)
+    if context and longest + args.max_new_tokens > context:
+        raise ConfigError(f"generate --max-new-tokens {args.max_new_tokens}: with a prompt of {longest} tokens that "
+                          f"passes the model's context of {context} (max_position_embeddings); give at most "
+                          f"{max(context - longest, 0)}")
+    need, have = decode.cache_bytes(cfg, len(ids), longest + args.max_new_tokens), _memory_bytes()
+    if have and need > have // 2:
+        raise ConfigError(f"generate --max-new-tokens {args.max_new_tokens}: the KV cache for {len(ids)} prompt(s) "
+                          f"of up to {longest} + {args.max_new_tokens} tokens needs {need / 2**30:.1f} GiB, more than "
+                          f"half the {have / 2**30:.1f} GiB free here; ask for fewer new tokens or fewer prompts")
+
+
+def _memory_bytes() -> int | None:
+    """The first device's memory (an accelerator's limit, or the host's available memory on CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cmd_generate(args) -> int:
+    from metatrain.generation import model as model_of
+    from metatrain.models import decode
+
+    cfg, params, tok, template, context = _model(args.src, args.what, args.tokenizer)
+    prompts = _prompts(args)
+    ids = _encode(prompts, tok, args, template)
+    _check_sizes(cfg, ids, args, context)
+    eos = list(tok.eos_ids)
+    out, stopped = [[] for _ in ids], None
+    try:
+        for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
+                                    args.top_p, args.seed, eos=eos):
+            out = so_far
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM between two compiled chunks: print what there is
+        stopped = e
+    for (p, _), new in zip(prompts, out):
+        text = tok.decode([t for t in new if t not in eos])
         if args.stop and args.stop in text:
             text = text[:text.index(args.stop)]
         if args.prompts:
             print(json.dumps({"prompt": p, "completion": text, "tokens": len(new)}, ensure_ascii=False))
         else:
             sys.stdout.write(text + "\n")
+    if stopped is not None:
+        sys.stdout.flush()
+        raise stopped
     return 0
 
 
@@ -110,13 +184,14 @@ def register(sub) -> None:
     q.add_argument("--prompt", help="one prompt (text)")
     q.add_argument("--prompts", metavar="FILE", help="JSON lines, each {\"prompt\": TEXT} or {\"messages\": [...]}; "
                                                      "the output is JSON lines too")
-    p.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template")
+    p.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template (a "
+                                                       "run's data.chat_template, else the tokenizer's)")
     p.add_argument("--what", choices=["inner", "baseline"], default=None,
                    help="a run's inner model (default) or its uniform baseline's")
     p.add_argument("--tokenizer", default=None, help="default: the source's (hf:DIR, or the run's encoding)")
     p.add_argument("--max-new-tokens", type=common.positive_int, default=64)
     p.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=common.nonnegative_int, default=0, help="0: all tokens")
+    p.add_argument("--top-k", type=common.nonnegative_int, default=0, help="0 (or above the vocabulary): all tokens")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1: all tokens")
     p.add_argument("--seed", type=common.nonnegative_int, default=0)
     p.add_argument("--stop", default=None, help="cut each completion at the first occurrence of this text")

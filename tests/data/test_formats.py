@@ -2,12 +2,14 @@
 the assistant's tokens), prompt and completion pairs, the per-example loss over masked tokens, and one-line errors
 naming the file, the record and the field."""
 
+import argparse
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import one_line_error
 
 from metatrain.data import chat
 from metatrain.data.chat_data import CHATML, make_chat, requests_of, write_tokenizer
@@ -211,7 +213,7 @@ def test_make_chat_writes_conversations_and_a_tokenizer_with_a_template(tmp_path
 
 
 @pytest.mark.slow
-def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_dir):
+def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_dir, capsys):
     """A tiny loss-weighting run on conversations (trusted set: conversations too), then its scores, eval and filter
     on conversations: one score per conversation, the loss of the assistant's tokens, the kept lines unchanged."""
     from helpers import TINY
@@ -222,8 +224,10 @@ def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_d
     path = _jsonl(tmp_path / "chat.jsonl", [{"id": f"c{i}", "messages": _conversation(rng, i)} for i in range(60)])
     trusted = _jsonl(tmp_path / "trusted.jsonl", [{"messages": _conversation(rng, i)} for i in range(20)])
     run = tmp_path / "run"
+    template = tmp_path / "mine.jinja"  # the run's own template: the tokenizer's, after a line of its own
+    template.write_text("run's own template\n" + CHATML)
     assert cli.main(["train", *TINY, "steps=2", f"data.source=jsonl:{path}", f"data.outer_source=jsonl:{trusted}",
-                     f"data.tokenizer=hf:{tok_dir}", f"workdir={run}"]) == 0
+                     f"data.tokenizer=hf:{tok_dir}", f"data.chat_template={template}", f"workdir={run}"]) == 0
     out, n = scores.scores(str(run), f"jsonl:{path}")
     rows = [json.loads(line) for line in open(out)]
     assert n == 60 and [r["id"] for r in rows] == [f"c{i}" for i in range(60)]
@@ -234,6 +238,18 @@ def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_d
     whole = _jsonl(tmp_path / "whole.jsonl", [{"text": chat.ChatTemplate(str(tok_dir)).render(
         json.loads(line)["messages"])[0]} for line in open(trusted)])
     assert dict(scores.evaluate(str(run), f"jsonl:{whole}"))["uniform baseline"] != losses["uniform baseline"]
+    # generate --chat renders a prompt with the run's template; a bad conversation names its file and line
+    from metatrain.cli.generate import _encode, _model
+
+    _, _, tok, run_template, _ = _model(str(run), None, None)
+    assert run_template == str(template)
+    ids = _encode([("hi", "--prompt")], tok, argparse.Namespace(chat=True), run_template)[0]
+    assert tok.decode(ids).startswith("run's own template\n<|im_start|>user\nhi")
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                                  {"messages": [{"role": "narrator", "content": "once"}]}])
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompts", str(prompts), "--max-new-tokens", "2"]) == 2
+    one_line_error(capsys.readouterr().err, f"{prompts}:2", "role 'narrator'")
     m = filtering.filter_corpus(str(run), f"jsonl:{path}", str(tmp_path / "kept"), 0.5, batch=4)
     kept = (tmp_path / "kept" / "part-00000.jsonl").read_text().splitlines()
     assert m["documents"]["kept"] == len(kept) and 0 < len(kept) < 60

@@ -279,3 +279,28 @@ def test_generate_command_prints_the_models_greedy_text(checkpoints, tmp_path, c
     assert len(rows) == 2 and rows[0]["prompt"] == prompt and rows[0]["completion"] == text[:text.index(text[3:6])]
     assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat"]) == 2
     one_line_error(capsys.readouterr().err, "no chat template")
+
+
+def test_generate_stops_on_every_eos_id_and_within_the_models_context(checkpoints, tmp_path, capsys):
+    """A list `eos_token_id` (Llama 3 instruct's) ends a text at any of its ids, not only the first; prompt + new
+    tokens beyond `max_position_embeddings` are refused in one line."""
+    import shutil
+
+    from metatrain.data.tokenizer import load_tokenizer
+
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints["llama-tied-mha"][0], directory)
+    tok = load_tokenizer(f"hf:{directory}")
+    prompt = "document 3: the blue quick"
+    new = hf.load(str(directory)).generate([tok.encode(prompt, eot=False).tolist()], max_new_tokens=12)[0]
+    stop = next(t for t in new[2:] if t != tok.eot)  # a token greedy decoding reaches after two others
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = [tok.eot, stop]
+    (directory / "config.json").write_text(json.dumps(config))
+    load_tokenizer.cache_clear()
+    assert cli.main(["generate", f"hf:{directory}", "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == tok.decode(new[:new.index(stop)]) + "\n"
+    context = config["max_position_embeddings"]
+    code = cli.main(["generate", f"hf:{directory}", "--prompt", prompt, "--max-new-tokens", str(context)])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, f"--max-new-tokens {context}", f"context of {context}")

