@@ -69,12 +69,10 @@ def read_template(directory: str, path: str = "") -> str:
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"data.chat_template: {path} not found; give a Jinja chat template file")
-        with open(path) as f:
-            return f.read()
+        return _text(path, "data.chat_template: ")
     jinja = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja) as f:
-            return f.read()
+        return _text(jinja)
     config = os.path.join(directory, "tokenizer_config.json")
     template = None
     if os.path.isfile(config):
@@ -86,6 +84,15 @@ def read_template(directory: str, path: str = "") -> str:
         raise ConfigError(f"{directory} has no chat template (chat_template.jinja, or chat_template in "
                           "tokenizer_config.json); give one with data.chat_template=PATH")
     return template
+
+
+def _text(path: str, flag: str = "") -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag}{path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                          "save the template as UTF-8") from None
 
 
 def special_tokens(directory: str) -> dict[str, str]:
@@ -126,9 +133,13 @@ class ChatTemplate:
         self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
         self.marked = "{% generation" in self.source or "{%- generation" in self.source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "") -> tuple[str, list]:
-        """(the text, the [start, end) character spans of the `generation` blocks)."""
-        check(messages, where)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "",
+               prefix: bool = False) -> tuple[str, list]:
+        """(the text, the [start, end) character spans of the `generation` blocks). `prefix`: the first turns of a
+        conversation checked whole (it may be empty: the part before an opening assistant turn)."""
+        if not prefix:
+            check(messages, where)
+        messages = self._as_template_reads(messages, where)
         env = self.env
         env.spans, env.blocks = [], []
         try:
@@ -142,6 +153,21 @@ class ChatTemplate:
         finally:
             env.spans, env.blocks = None, []
 
+    def _as_template_reads(self, messages: list[dict], where: str) -> list[dict]:
+        """The messages as the template gets them: text parts joined into one text; null content (a tool call)
+        only where the template renders `tool_calls`."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m["content"]
+            if isinstance(content, list):
+                m = dict(m, content="".join(part["text"] for part in content))
+            elif content is None and "tool_calls" not in self.source:
+                raise DataError(f"{where or 'a conversation'}: message {i} has null content (a tool call) and the "
+                                "chat template does not render tool_calls; give its content as text, or a "
+                                "template that renders tool calls")
+            out.append(m)
+        return out
+
     def assistant_spans(self, messages: list[dict], where: str = "") -> tuple[str, list]:
         """(the text, each assistant turn's [start, end) characters)."""
         text, spans = self.render(messages, False, where)
@@ -151,8 +177,8 @@ class ChatTemplate:
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            head = self.render(messages[:k], True, where)[0]
-            turn = self.render(messages[:k + 1], False, where)[0]
+            head = self.render(messages[:k], True, where, prefix=True)[0]
+            turn = self.render(messages[:k + 1], False, where, prefix=True)[0]
             if not (turn.startswith(head) and text.startswith(turn)):
                 raise DataError(f"{where or 'a conversation'}: the chat template renders a conversation's start "
                                 "differently from the whole, so its assistant turns cannot be found; add "
@@ -171,13 +197,14 @@ class ChatTemplate:
         else:
             text, spans = self.assistant_spans(messages, where)
         spans = spans[skip_turns:]
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        encoding = self.tokenizer.encode(unicode_text(text, where or "a conversation"), add_special_tokens=False)
         mask = [int(any(end > s and start < e for s, e in spans)) for start, end in encoding.offsets]
         return list(encoding.ids), mask
 
 
 def check(messages, where: str = "") -> None:
-    """A conversation is a list of {role, content} with known roles; anything else is refused in one line."""
+    """A conversation is a list of {role, content} with known roles; content is text, a list of text parts
+    (`{"type": "text", "text": ...}`, joined), or null beside `tool_calls`. Anything else is refused in one line."""
     where = where or "a conversation"
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
@@ -186,6 +213,29 @@ def check(messages, where: str = "") -> None:
             raise DataError(f"{where}: message {i} needs a 'role' and a 'content'")
         if m["role"] not in ROLES:
             raise DataError(f"{where}: message {i} has role {m['role']!r}, not one of {', '.join(ROLES)}")
+        content = m["content"]
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise DataError(f"{where}: message {i}, content part {j} is {kind!r}; only text parts "
+                                    '({"type": "text", "text": ...}) can be trained on')
+        elif content is None:
+            if not m.get("tool_calls"):
+                raise DataError(f"{where}: message {i} has null content and no tool_calls; give its text")
+        elif not isinstance(content, str):
+            raise DataError(f"{where}: message {i} has content of type {type(content).__name__}; give text")
+
+
+def unicode_text(text: str, where: str) -> str:
+    """`text`, if it is valid Unicode: a lone surrogate (JSON's "\\ud800", valid JSON but no character) is refused
+    in one line, as the tokenizers library cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), not "
+                        "valid Unicode; fix or drop the record") from None
+    return text
 
 
 @functools.lru_cache(maxsize=8)

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from metatrain.data.chat import _template, check
+from metatrain.data.chat import _template, check, unicode_text
 from metatrain.data.tokenizer import HFTokenizer, Tokenizer
 from metatrain.errors import ConfigError, DataError
 
@@ -59,6 +59,10 @@ class Fields:
         one is refused in one line naming `where` and the field."""
         if self.format == "text":
             return text_of(record, self.text_field, where)
+        null = [f for f in self.columns() if f in record and record[f] is None]
+        if null:
+            raise DataError(f"{where}: field {null[0]!r} is null; data.format={self.format} needs it to hold "
+                            + ("a list of messages" if self.format == "chat" else "text or a list of messages"))
         missing = [f for f in self.columns() if record.get(f) is None]
         if missing:
             hint = "name the field with data.messages_field" if self.format == "chat" else "both fields are needed"
@@ -126,13 +130,17 @@ class Encoder:
             self.template = _template(os.path.abspath(directory), self.chat_template)
         return self.template
 
+    def _text(self, text: str, where: str) -> str:
+        """A Hugging Face tokenizer cannot encode a lone surrogate: refused in one line (tiktoken encodes it)."""
+        return unicode_text(text, where or "a document") if isinstance(self.tokenizer, HFTokenizer) else text
+
     def __call__(self, doc, where: str = "") -> tuple[np.ndarray, np.ndarray]:
         if isinstance(doc, str):
-            ids = self.tokenizer.encode(doc)
+            ids = self.tokenizer.encode(self._text(doc, where))
             return ids, np.ones(len(ids), np.int32)
         if isinstance(doc, dict) and isinstance(doc["prompt"], str):
-            prompt = self.tokenizer.encode(doc["prompt"], eot=False)
-            completion = self.tokenizer.encode(doc["completion"])
+            prompt = self.tokenizer.encode(self._text(doc["prompt"], where), eot=False)
+            completion = self.tokenizer.encode(self._text(doc["completion"], where))
             mask = np.concatenate([np.full(len(prompt), self.train_on == "all"), np.ones(len(completion))])
             return np.concatenate([prompt, completion]).astype(np.int32), mask.astype(np.int32)
         format = "chat" if isinstance(doc, list) else "prompt_completion"

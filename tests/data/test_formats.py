@@ -254,3 +254,77 @@ def test_a_chat_run_then_scores_eval_and_filter_on_conversations(tmp_path, tok_d
     kept = (tmp_path / "kept" / "part-00000.jsonl").read_text().splitlines()
     assert m["documents"]["kept"] == len(kept) and 0 < len(kept) < 60
     assert set(kept) <= set(path.read_text().splitlines())
+
+
+# ---- records that once ended in a traceback or trained on the wrong text --------------------------------------------
+def _encoder(tok_dir, **kw):
+    return Encoder(load_tokenizer(f"hf:{tok_dir}"), **kw)
+
+
+def test_a_lone_surrogate_is_one_line_naming_the_record(tok_dir):
+    """"\\ud800" is valid JSON but no character: the tokenizers library raised a TypeError on it."""
+    enc = _encoder(tok_dir)
+    bad = json.loads('"a \\ud800 b"')
+    for doc in ([{"role": "user", "content": bad}, {"role": "assistant", "content": "ok"}], bad,
+                {"prompt": "q", "completion": bad}):
+        with pytest.raises(DataError, match=r"c.jsonl:3: the text holds a lone surrogate .*not valid Unicode"):
+            enc(doc, "c.jsonl:3")
+
+
+def test_a_chat_template_that_is_not_utf8_is_one_line(tok_dir, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_bytes(b"{{ messages[0]['content'] }}\xff")
+    with pytest.raises(ConfigError, match=r"data.chat_template: .*t.jinja is not UTF-8 text"):
+        chat.encode([{"role": "user", "content": "x"}], f"hf:{tok_dir}", chat_template=str(path))
+
+
+def test_null_fields_and_content_parts_and_an_opening_assistant_turn(tok_dir):
+    fields = Fields("prompt_completion")
+    with pytest.raises(DataError, match="r.jsonl:2: field 'completion' is null"):
+        fields.value({"prompt": "q", "completion": None}, "r.jsonl:2")
+    enc = _encoder(tok_dir)
+    text = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "general kenobi"}]}]
+    assert [a.tolist() for a in enc(parts, "x")] == [a.tolist() for a in enc(text, "x")]  # joined, not a repr
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, text[1]]
+    with pytest.raises(DataError, match="message 0, content part 0 is 'image_url'; only text parts"):
+        enc(image, "x")
+    # a greeting first: the template renders it, and it is trained on
+    greeting = [{"role": "assistant", "content": "hi, how can I help?"}, *text]
+    ids, mask = enc(greeting, "x")
+    tok = load_tokenizer(f"hf:{tok_dir}")
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "hi, how can I help?" in trained and "general kenobi" in trained and "hello there" not in trained
+
+
+def test_a_tool_call_with_null_content(tok_dir, tmp_path):
+    """Null content beside tool_calls goes to a template that renders tool calls as it is (as transformers passes
+    it); a template that does not (ChatML here) would print "None": refused."""
+    call = [{"role": "user", "content": "add 1 and 2"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "add", "arguments": {"a": 1, "b": 2}}}]},
+            {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]
+    with pytest.raises(DataError, match="message 1 has null content .*does not render tool_calls"):
+        _encoder(tok_dir)(call, "t.jsonl:1")
+    with pytest.raises(DataError, match="message 0 has null content and no tool_calls"):
+        _encoder(tok_dir)([{"role": "user", "content": None}, call[3]], "t.jsonl:1")
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is not none %}"
+                        "{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}call {{ c.function.name }}"
+                        "({{ c.function.arguments | tojson }}){% endfor %}<|im_end|>\n{% endfor %}")
+    ids, mask = _encoder(tok_dir, chat_template=str(template))(call, "t.jsonl:1")
+    text = load_tokenizer(f"hf:{tok_dir}").decode(ids)
+    assert 'call add({"a": 1, "b": 2})' in text and "None" not in text
+
+
+def test_data_stats_reads_conversations_as_training_does(tmp_path, tok_dir, capsys):
+    from metatrain import cli
+
+    path = _chats(tmp_path, n=12)
+    assert cli.main(["data", "stats", "--source", f"jsonl:{path}", "--tokenizer", f"hf:{tok_dir}"]) == 0
+    out = capsys.readouterr().out
+    enc = _encoder(tok_dir)
+    rows = [enc(json.loads(line)["messages"], "x") for line in path.read_text().splitlines()]
+    assert "documents: 12 of 12" in out and f"tokens: {sum(len(i) for i, _ in rows):,}" in out
+    assert f"trained-on tokens: {sum(int(m.sum()) for _, m in rows):,}" in out
