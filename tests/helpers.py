@@ -116,6 +116,15 @@ def assert_same_first_meta_gradient(a, b) -> None:
     assert abs(x["meta_grad_norm"] - y["meta_grad_norm"]) <= 1e-12 * abs(x["meta_grad_norm"]), (x, y)
 
 
+def cli_run(capsys, *argv) -> tuple[int, str, str]:
+    """`metatrain ARGV...` in this process (`cli.main`): (exit code, stdout, stderr)."""
+    from metatrain import cli
+
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def one_line_error(err: str, *needles: str) -> None:
     """A CLI error as users must see it: one line, no traceback, saying each of `needles`."""
     lines = [line for line in err.strip().splitlines() if line.startswith("metatrain ")]

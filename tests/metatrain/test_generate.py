@@ -9,17 +9,11 @@ import threading
 import time
 
 import pytest
+from helpers import cli_run as _main
 from helpers import one_line_error
 
-from metatrain import cli
 from metatrain.data.tokenizer import load_tokenizer
 from metatrain.models import decode
-
-
-def _main(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_bad_prompts_are_one_line(shared_run, tmp_path, capsys):

@@ -1,20 +1,15 @@
 """Where commands write: an output path is checked before any work, and nothing a user wrote is ever replaced
-(`paths.output_dir`, `paths.output_file`). Each case is a probe that once ended in a traceback, a hang, a wrong
-file or lost files."""
+(`paths.output`, `paths.output_dir`, `paths.output_file`). Each case is a probe that once ended in a traceback, a
+hang, a wrong file or lost files."""
 
 import json
 import shutil
 
 import pytest
+from helpers import cli_run as _main
 from helpers import one_line_error
 
 from metatrain import cli
-
-
-def _main(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_export_never_replaces_a_users_files(shared_run, tmp_path, capsys):
