@@ -398,7 +398,8 @@ def local_paths(cfg: Config) -> Config:
     data = dataclasses.replace(d, source=paths.prefixed(d.source, USER_SOURCES),
                                outer_source=paths.prefixed(d.outer_source, USER_SOURCES),
                                eval_source=paths.prefixed(d.eval_source, USER_SOURCES),
-                               tokenizer=paths.prefixed(d.tokenizer, (HF_PREFIX,)), data_dir=paths.local(d.data_dir))
+                               tokenizer=paths.prefixed(d.tokenizer, (HF_PREFIX,)), data_dir=paths.local(d.data_dir),
+                               chat_template=paths.local(d.chat_template))
     return dataclasses.replace(
         cfg, workdir=paths.local(cfg.workdir), data=data,
         inner=dataclasses.replace(cfg.inner, init_from=paths.prefixed(cfg.inner.init_from, (HF_PREFIX,), bare=True)),

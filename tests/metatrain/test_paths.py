@@ -21,13 +21,15 @@ def test_a_run_config_names_every_path_absolutely(tmp_path, monkeypatch):
     (tmp_path / "home/scorer/export.json").write_text(json.dumps({"model": dataclasses.asdict(models.preset("tiny"))}))
     cfg = config.load("default", ["workdir=runs/x", "inner.init_from=base", "meta_model.init_from=~/scorer",
                                   "data.source=jsonl:docs/*.jsonl", "data.outer_source=dir:~/trusted",
-                                  "data.tokenizer=hf:~/tok", "data.data_dir=tfds"], pretrained=False)
+                                  "data.tokenizer=hf:~/tok", "data.data_dir=tfds", "data.chat_template=t.jinja"],
+                      pretrained=False)
     assert cfg.workdir == str(tmp_path / "runs" / "x")
     assert cfg.inner.init_from == str(tmp_path / "base")
     assert cfg.meta_model.init_from == str(tmp_path / "home" / "scorer")
     assert cfg.data.source == f"jsonl:{tmp_path}/docs/*.jsonl"
     assert cfg.data.outer_source == f"dir:{tmp_path}/home/trusted"
     assert cfg.data.tokenizer == f"hf:{tmp_path}/home/tok"
+    assert cfg.data.chat_template == str(tmp_path / "t.jinja")  # generate --chat reads it from any folder
     assert cfg.data.data_dir == str(tmp_path / "tfds")
     # what is not a local path stays as it is
     cfg = config.load("default", ["inner.init_from=hf:base", "workdir=gs://bucket/run"], pretrained=False)
