@@ -19,7 +19,7 @@ import json
 import os
 from datetime import datetime
 
-from metatrain.data.tokenizer import HF_PREFIX
+from metatrain.data.tokenizer import HF_PREFIX, unicode_text
 from metatrain.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -160,7 +160,7 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             content = m["content"]
             if isinstance(content, list):
-                m = dict(m, content="".join(part["text"] for part in content))
+                m = dict(m, content=content_text(content))
             elif content is None and "tool_calls" not in self.source:
                 raise DataError(f"{where or 'a conversation'}: message {i} has null content (a tool call) and the "
                                 "chat template does not render tool_calls; give its content as text, or a "
@@ -227,15 +227,11 @@ def check(messages, where: str = "") -> None:
             raise DataError(f"{where}: message {i} has content of type {type(content).__name__}; give text")
 
 
-def unicode_text(text: str, where: str) -> str:
-    """`text`, if it is valid Unicode: a lone surrogate (JSON's "\\ud800", valid JSON but no character) is refused
-    in one line, as the tokenizers library cannot encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DataError(f"{where}: the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), not "
-                        "valid Unicode; fix or drop the record") from None
-    return text
+def content_text(content) -> str:
+    """A message's content as the template gets it: text parts joined into one text (null: empty)."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
 
 
 @functools.lru_cache(maxsize=8)

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from metatrain.data.chat import _template, check, unicode_text
+from metatrain.data.chat import _template, check, content_text
 from metatrain.data.tokenizer import HFTokenizer, Tokenizer
 from metatrain.errors import ConfigError, DataError
 
@@ -87,15 +87,8 @@ def preview(doc) -> str:
     if isinstance(doc, dict):
         doc = [*_as_messages(doc["prompt"], "user"), *_as_messages(doc["completion"], "assistant")]
     if isinstance(doc, list):
-        doc = " | ".join(f"{m['role']}: {_content(m['content'])}" for m in doc)
+        doc = " | ".join(f"{m['role']}: {content_text(m['content'])}" for m in doc)
     return " ".join(str(doc).split())
-
-
-def _content(content) -> str:
-    """A message's content as text: text parts joined, as the template sees them."""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return "" if content is None else str(content)
 
 
 def _as_messages(part, role: str) -> list[dict]:
@@ -137,17 +130,13 @@ class Encoder:
             self.template = _template(os.path.abspath(directory), self.chat_template)
         return self.template
 
-    def _text(self, text: str, where: str) -> str:
-        """A Hugging Face tokenizer cannot encode a lone surrogate: refused in one line (tiktoken encodes it)."""
-        return unicode_text(text, where or "a document") if isinstance(self.tokenizer, HFTokenizer) else text
-
     def __call__(self, doc, where: str = "") -> tuple[np.ndarray, np.ndarray]:
         if isinstance(doc, str):
-            ids = self.tokenizer.encode(self._text(doc, where))
+            ids = self.tokenizer.encode(doc, where=where)
             return ids, np.ones(len(ids), np.int32)
         if isinstance(doc, dict) and isinstance(doc["prompt"], str):
-            prompt = self.tokenizer.encode(self._text(doc["prompt"], where), eot=False)
-            completion = self.tokenizer.encode(self._text(doc["completion"], where))
+            prompt = self.tokenizer.encode(doc["prompt"], eot=False, where=where)
+            completion = self.tokenizer.encode(doc["completion"], where=where)
             mask = np.concatenate([np.full(len(prompt), self.train_on == "all"), np.ones(len(completion))])
             return np.concatenate([prompt, completion]).astype(np.int32), mask.astype(np.int32)
         format = "chat" if isinstance(doc, list) else "prompt_completion"

