@@ -6,13 +6,21 @@ variants run interleaved, one call each per round (the order rotating from round
 that slow drifts of the machine (other processes, frequency scaling) hit all of them alike. Each
 round gives one ratio baseline ÷ variant per variant; we report the median of those ratios and
 the median time. Only the timed call itself is measured (`block_until_ready`).
+
+Each row also says where it ran (the device, jax/jaxlib/flax versions) and, where the device keeps memory
+statistics (GPU, TPU), the process's measured peak (`process_peak_bytes`: the highest the device held since the
+process started, over every variant run so far; with one variant per process it is that variant's, also given as
+`measured_peak_bytes`) beside the compiled program's (`peak_bytes`). With `profile_dir`, a few more calls of each
+variant run under the JAX profiler and the row gets their top ops (`bench.profile`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from importlib import metadata
 
 import jax
 
@@ -43,9 +51,28 @@ class _Runner:
         jax.block_until_ready(metrics)
 
 
+def device_peak_bytes() -> int | None:
+    """The most memory device 0 has held since the process started (None where it keeps no statistics: CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def where() -> dict:
+    """The device and the versions a row was measured with."""
+    versions = {}
+    for name in ("jax", "jaxlib", "flax", "metatrain"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "versions": versions}
+
+
 def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int = 5, warmup: int = 1,
-            seed: int = 0, progress: Callable = lambda it, **_: it) -> list[dict]:
-    """One row per variant: median seconds per outer step, and the median per-round ratio baseline ÷ variant."""
+            seed: int = 0, progress: Callable = lambda it, **_: it, profile_dir: str | None = None,
+            profile_steps: int = 3) -> list[dict]:
+    """One row per variant: median seconds per outer step, and the median per-round ratio baseline ÷ variant (with
+    `profile_dir`: also the top ops of `profile_steps` profiled calls, traced in `profile_dir/VARIANT`)."""
     names = [v.name for v in variant_list]
     if baseline not in names:
         raise ConfigError(f"--baseline {baseline} is not among the variants {names}")
@@ -62,17 +89,28 @@ def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int
             tic = time.perf_counter()
             calls[n]()
             times[n].append(time.perf_counter() - tic)
-    rows = []
+    peak = device_peak_bytes()  # before profiling, which keeps buffers of its own
+    profiles = {}
+    if profile_dir:
+        from metatrain.bench import profile
+
+        for n in progress(names, desc="profiling"):
+            profiles[n] = profile.trace(calls[n], profile_steps, os.path.join(profile_dir, profile.file_name(n)))
+    rows, place = [], where()
     for n in names:
         ratios = [b / t for b, t in zip(times[baseline], times[n])]
-        rows.append({"variant": n, "task": cfg.task, "backend": jax.default_backend(), "n_layers": cfg.model.n_layers,
+        measured = {} if peak is None else {"process_peak_bytes": peak, **(
+            {"measured_peak_bytes": peak} if len(names) == 1 else {})}
+        rows.append({"variant": n, "task": cfg.task, "backend": jax.default_backend(), **place,
+                     "n_layers": cfg.model.n_layers,
                      "d_model": cfg.model.d_model, "seq_len": cfg.data.seq_len, "batch": cfg.data.batch,
                      "inner_steps": cfg.data.inner_steps, "rounds": rounds, "median_s": statistics.median(times[n]),
                      "min_s": min(times[n]), "times_s": times[n], "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "warmup_s": compile_s[n],
                      # what ran: the compiled program's peak, and the outer steps the state went through
-                     "peak_bytes": compiled_memory(calls[n].compiled)["peak_bytes"],
-                     "steps_run": int(calls[n].state["step"])})
+                     "peak_bytes": compiled_memory(calls[n].compiled)["peak_bytes"], **measured,
+                     "steps_run": int(calls[n].state["step"]),
+                     **({"profile": {"steps": profile_steps, **profiles[n]}} if n in profiles else {})})
     return rows
 
 
@@ -83,3 +121,15 @@ def table(rows: list[dict], baseline: str) -> str:
                      f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} |")
     return "\n".join(lines) + (f"\n(ratio: {baseline} time ÷ variant time, per round, median of {rows[0]['rounds']}; "
                                "higher means faster than the baseline)")
+
+
+def profile_table(rows: list[dict], n: int = 8) -> str:
+    """Each profiled variant's top `n` ops: ms per step and share of all ops' time."""
+    lines = ["| variant | op | kind | ms per step | share |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            lines += [f"| {r['variant']} | {o['op']} | {o['kind']} | {o['ms_per_step']:.3f} | {o['share']:.1%} |"
+                      for o in p["top_ops"][:n]]
+            lines.append(f"| {r['variant']} | all ops | | {p['op_ms_per_step']:.3f} | 100% |")
+    return "\n".join(lines)

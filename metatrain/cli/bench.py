@@ -83,9 +83,14 @@ def cmd_bench_time(args) -> int:
           f"B={args.batch} S={args.seq_len} T={args.inner_steps} on {jax.default_backend()} "
           f"({len(jax.devices())} device(s)): the Trainer's outer step, {args.rounds} interleaved rounds after "
           f"{args.warmup} warm-up step(s)", flush=True)
+    from metatrain import paths
+
+    profile_dir = paths.output(args.profile, "bench time --profile", directory=True) if args.profile else None
     rows = steptime.measure(cfg, chosen, args.baseline, rounds=args.rounds, warmup=args.warmup,
-                            progress=common.progress_lines)
+                            progress=common.progress_lines, profile_dir=profile_dir, profile_steps=args.profile_steps)
     print(steptime.table(rows, args.baseline))
+    if profile_dir:
+        print(steptime.profile_table(rows))
     common.write_json(args.json, rows)
     return 0
 
@@ -198,6 +203,12 @@ def register(sub) -> None:
     p.add_argument("--baseline", default="autodiff+remat")
     p.add_argument("--rounds", type=common.positive_int, default=7, help="interleaved timed rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant after compiling")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="after timing, run --profile-steps more steps of each variant under the JAX profiler, the "
+                        "traces in DIR/VARIANT (TensorBoard's profile plugin opens them); the rows get each "
+                        "variant's top XLA ops by time")
+    p.add_argument("--profile-steps", type=common.positive_int, default=3, metavar="N",
+                   help="profiled steps per variant (default 3)")
     p.set_defaults(fn=cmd_bench_time)
 
     p = bench.add_parser("generate", help="seconds per new token with the KV cache vs re-running the sequence")

@@ -19,11 +19,20 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     """The rows say what ran: every variant's state went through warm-up + rounds outer steps, and its
     compiled program is the one `bench memory` compiles for that variant (so the two variants differ)."""
     out, mem = tmp_path / "time.json", tmp_path / "mem.json"
-    assert cli.main(["bench", "time", *TINY_FLAGS, "--rounds", "3", "--warmup", "2", "--json", str(out)]) == 0
+    assert cli.main(["bench", "time", *TINY_FLAGS, "--rounds", "3", "--warmup", "2", "--json", str(out),
+                     "--profile", str(tmp_path / "prof"), "--profile-steps", "2"]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"autodiff+remat", "mixflow+remat+save"}
-    assert all(r["steps_run"] == 2 + 3 and len(r["times_s"]) == 3 and min(r["times_s"]) > 0 for r in rows.values())
+    # the steps timed, then those profiled
+    assert all(r["steps_run"] == 2 + 3 + 2 and len(r["times_s"]) == 3 and min(r["times_s"]) > 0
+               for r in rows.values())
     assert "| mixflow+remat+save |" in capsys.readouterr().out
+    for name, r in rows.items():  # where it ran; a CPU keeps no memory statistics
+        assert r["device"] == "cpu" and r["versions"]["jax"] and "process_peak_bytes" not in r
+        p = r["profile"]
+        assert p["steps"] == 2 and p["trace"].startswith(str(tmp_path / "prof" / name.replace("+", "_")))
+        assert 0 < sum(o["share"] for o in p["top_ops"]) <= 1 + 1e-9 and p["top_ops"][0]["ms_per_step"] > 0
+        assert {o["module"] for o in p["top_ops"]} == {"jit_outer_step"}
     assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save",
                      "--json", str(mem)]) == 0
     peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}

@@ -1,0 +1,79 @@
+"""Where a compiled step's time goes: a JAX profiler trace of a few calls, summed per XLA op.
+
+The trace is JAX's own (`jax.profiler.trace`, an XSpace `.xplane.pb` that TensorBoard's profile plugin and
+xprof also open); the summary reads it with `jax.profiler.ProfileData`. An op's time is the summed self time of
+the events that name it (`hlo_op`): an event's duration less that of the events nested in it on the same line
+(a `while` loop's body ops are counted in themselves, not again in the loop). The events are those of the device
+planes on a GPU or TPU (their `XLA Ops` line where the trace has one, else every line: the kernels on each
+stream), those of the host's XLA threads on a CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+
+
+def op_times(data) -> dict[tuple[str, str], list[float]]:
+    """{(hlo_module, hlo_op): [total ns, events]} of a `jax.profiler.ProfileData`."""
+    planes = [p for p in data.planes if p.name.startswith("/device:")]
+    device = [p for p in planes if any("hlo_op" in dict(e.stats) for line in p.lines for e in line.events)]
+    chosen = device or [p for p in data.planes if p.name.startswith("/host:")]
+    out: dict = collections.defaultdict(lambda: [0.0, 0])
+    for plane in chosen:
+        lines = list(plane.lines)
+        for line in [line for line in lines if line.name == "XLA Ops"] or lines:
+            for key, self_ns in _self_times(line.events):
+                out[key][0] += self_ns
+                out[key][1] += 1
+    return dict(out)
+
+
+def _self_times(events):
+    """(key, self time) of a line's op events, each less the events nested directly inside it."""
+    ops = []
+    for e in events:
+        stats = dict(e.stats)
+        if "hlo_op" in stats:
+            ops.append((e.start_ns, -e.duration_ns, e.end_ns, (str(stats.get("hlo_module", "")), str(stats["hlo_op"]))))
+    ops.sort()
+    stack, out = [], []  # stack: [end, index into out] of the open events
+    for start, neg_duration, end, key in ops:
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack and end <= stack[-1][0]:
+            out[stack[-1][1]][1] += neg_duration  # the enclosing event's self time loses this one's
+        out.append([key, -neg_duration])
+        stack.append((end, len(out) - 1))
+    return [(key, max(0.0, t)) for key, t in out]
+
+
+def top_ops(data, steps: int, n: int = 15) -> dict:
+    """The `n` ops that took longest, per step of `steps` traced ones: {"op_ms_per_step": all ops' time,
+    "top_ops": [{"module", "op", "kind", "ms_per_step", "share", "events_per_step"}]} (kind: the op's name without
+    its number, e.g. `fusion`, `custom-call`, `cublas-gemm`)."""
+    times = op_times(data)
+    total = sum(ns for ns, _ in times.values())
+    rows = [{"module": module, "op": op, "kind": re.sub(r"[.\d]+$", "", op), "ms_per_step": ns / 1e6 / steps,
+             "share": ns / total if total else 0.0, "events_per_step": count / steps}
+            for (module, op), (ns, count) in sorted(times.items(), key=lambda kv: -kv[1][0])[:n]]
+    return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows}
+
+
+def trace(call, steps: int, directory: str) -> dict:
+    """Run `call()` `steps` times under the profiler, the trace in `directory`; its `top_ops` summary."""
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    with jax.profiler.trace(directory):
+        for _ in range(steps):
+            call()
+    paths = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return {"trace": paths[-1], **top_ops(jax.profiler.ProfileData.from_file(paths[-1]), steps)}
+
+
+def file_name(text: str) -> str:
+    """`text` as a file name of letters, digits, `.`, `_` and `-` only (`mixflow+remat+save` → `mixflow_remat_save`)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
