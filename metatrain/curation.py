@@ -377,6 +377,10 @@ class Experiment:
         done = os.path.join(workdir, "result.json")
         self._done += 1
         if os.path.isfile(done):
+            result = paths.read_json(done, "arm result")
+            if "kept_tokens" not in result:  # an arm an earlier version finished: the tokens its accounting needs
+                paths.write_json(done, {**result, "kept_tokens": int(self.tokens[keep].sum()),
+                                        "pool_tokens": int(self.tokens.sum())})
             return
         tic = time.perf_counter()
         source = os.path.join(self.data, "train.jsonl") if method == "unfiltered" else subset
@@ -424,7 +428,7 @@ class Experiment:
         """Each training document's mean next-token loss under the proxy: seed 0's unfiltered model, or with a
         larger target a model of the raters' size trained on the whole pool for the same budget (`DIR/proxy`)."""
         path = os.path.join(self.dir, "scores", "proxy.npy")
-        if os.path.isfile(path):
+        if os.path.isfile(path) and {"proxy_per_row", "proxy_training"} <= set(self.flops):
             return np.load(path)
         from metatrain.flops import program_flops
         from metatrain.pretrain import Pretrainer
@@ -468,7 +472,7 @@ class Experiment:
     def _rater_scores(self, name: str) -> np.ndarray:
         """Rater `name`'s score of each training document (meta-trained first, where not yet done)."""
         path = os.path.join(self.dir, "scores", f"{name}.npy")
-        if os.path.isfile(path):
+        if os.path.isfile(path) and {f"{name}_per_row", f"{name}_training"} <= set(self.flops):
             return np.load(path)
         from metatrain.flops import program_flops
         from metatrain.trainer import Trainer

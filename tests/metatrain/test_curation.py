@@ -162,6 +162,21 @@ def test_a_scorers_cost_is_the_rows_it_reads(tmp_path):
     assert exp.flops["probe_scoring"] == 2 * (s.seq_len + 1) * sum(rows)
 
 
+def test_an_arm_an_earlier_version_finished_gets_the_tokens_its_accounting_needs(tmp_path):
+    """Arms finished before kept tokens were stored are not trained again: their result gains the kept tokens."""
+    from metatrain import curation
+
+    exp = curation.Experiment(str(tmp_path / "exp"), scale="micro")
+    exp.docs = curation.Documents([b"{}\n"] * 3, ["a b c", "d", "e f g h"], [""] * 3)
+    exp.tokens, exp._done, exp._total = np.asarray([4, 2, 5]), 0, 1
+    result = tmp_path / "exp" / "arms" / "random_0.5_s0" / "result.json"
+    result.parent.mkdir(parents=True)
+    result.write_text(json.dumps({"method": "random", "drop": 0.5, "seed": 0, "kept": 2, "of": 3}))
+    exp._arm("random", 0.5, 0, np.asarray([True, False, True]))
+    r = json.loads(result.read_text())
+    assert r["kept_tokens"] == 9 and r["pool_tokens"] == 11 and r["kept"] == 2
+
+
 def test_the_transfer_target_has_four_times_the_raters_flops_per_token(tmp_path):
     import dataclasses
 
