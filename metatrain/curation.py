@@ -4,8 +4,9 @@ The DataRater recipe (Calian et al. 2025) at a small scale, end to end, resumabl
 
 1. the data: `make-noisy`'s corpus (`DIR/data`), or the user's (`--data`: train.jsonl, trusted.jsonl, heldout.jsonl;
    a `defect` label per training record, when there is one, feeds the oracle and the per-defect table);
-2. `unfiltered`: fresh models pretrained on all the training documents, one per seed; seed 0's is also the proxy
-   model whose per-document perplexity ranks the documents for the perplexity filters;
+2. `unfiltered`: fresh models pretrained on all the training documents, one per seed; the proxy model whose
+   per-document perplexity ranks the documents for the perplexity filters is seed 0's, or with a larger target a
+   model of the raters' size trained on all of them for the same budget;
 3. the raters, each meta-trained once at the scale's rater model (a loss-weighting run with a population, T=2, the
    trusted set as the outer stream), then its score for every training document: `rater_score` (DataRater's
    rater: a score head, bidirectional attention) and `rater_lm` (the likelihood scorer: a document's mean
@@ -25,6 +26,7 @@ Each step leaves its result in DIR before the next starts; a killed experiment, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -334,7 +336,9 @@ class Experiment:
         _say(f"data: {m['documents']['train']:,} training documents ({sum(m['defects'].values()):,} with a defect), "
              f"{m['documents']['trusted']:,} trusted, {m['documents']['heldout']:,} held out, in {self.data}")
 
+    @functools.cached_property
     def _encoder(self):
+        """The scorers' tokenizer (the runs' default) as `scores` encodes documents."""
         from metatrain.data.formats import Encoder
         from metatrain.data.tokenizer import load_tokenizer
 
@@ -346,7 +350,7 @@ class Experiment:
         path = os.path.join(self.dir, "scores", "tokens.npy")
         if os.path.isfile(path):
             return np.load(path)
-        encode = self._encoder()
+        encode = self._encoder
         tokens = np.asarray([len(encode(t, f"train.jsonl document {i}")[0]) for i, t in enumerate(self.docs.texts)],
                             np.int64)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -413,7 +417,7 @@ class Experiment:
         rows = 64
         items = ((_Text(t, f"train.jsonl document {i}"), i) for i, t in enumerate(self.docs.texts))
         out = np.full(len(self.docs.texts), np.nan)
-        for i, (_, _, value, _) in enumerate(score_stream(jax.jit(fn), params, items, self._encoder(), s.seq_len,
+        for i, (_, _, value, _) in enumerate(score_stream(jax.jit(fn), params, items, self._encoder, s.seq_len,
                                                           rows, s.score_rows)):
             out[i] = value
         spec = {k: jax.ShapeDtypeStruct((rows, s.seq_len + 1), np.int32) for k in ("tokens", "segment_ids",

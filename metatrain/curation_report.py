@@ -129,9 +129,7 @@ def write(exp, raters: dict[str, np.ndarray], seconds: float) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     pool_rows = exp.pool_rows
     figures = compute(_arms(exp.dir), exp.flops, s.tokens_per_step, exp.steps, pool_rows)
-    scale = {k: getattr(s, k) for k in s.__dataclass_fields__}
-    for key in ("target", "drops", "ppl", "raters"):
-        scale[key] = getattr(s, key) if key != "target" else (s.target and vars(s.target))
+    scale = {**{k: getattr(s, k) for k in s.__dataclass_fields__}, "target": s.target and vars(s.target)}
     report = {"settings": exp.settings, "scale": scale, "target_model": vars(s.target_arch),
               "rater_model": vars(s.rater_arch), "pool_rows_read": pool_rows, "flops": exp.flops,
               **figures, "defects": {name: _defects(exp, scores) for name, scores in raters.items()},
