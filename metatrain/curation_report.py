@@ -98,9 +98,9 @@ def compute(arms: dict, flops: dict, tokens_per_step: int, steps: int, pool_rows
     unfiltered = arms[("unfiltered", None)]
     target = float(np.mean([r["curve"][-1][1] for r in unfiltered]))
     for (method, drop), runs in sorted(arms.items(), key=lambda kv: (METHODS.index(kv[0][0]), kv[0][1] or 0)):
-        steps_ = np.asarray([p[0] for p in runs[0]["curve"]])
+        evaluated_at = np.asarray([p[0] for p in runs[0]["curve"]])  # the steps of the evaluations
         nll = np.asarray([[p[1] for p in r["curve"]] for r in runs])  # [seeds, evaluations]
-        tokens = steps_ * tokens_per_step
+        tokens = evaluated_at * tokens_per_step
         mean = nll.mean(0)
         reach = budget if method == "unfiltered" else tokens_to_reach(tokens, mean, target)
         c = {k: v / per_token for k, v in costs(flops, method, budget, runs[0]["kept_tokens"], pool_rows).items()}
