@@ -5,8 +5,8 @@ what it leaves behind.
   process, its pytest-xdist workers and every metatrain subprocess the tests start: each distinct
   program is still compiled, once; identical ones (the same tiny outer step in many runs) are not
   compiled again. It changes no result.
-- XLA:CPU's LLVM backend at optimisation level 0, and its older loop emitters for fusions instead of the
-  MLIR fusion emitters: the suite compiles a few hundred tiny programs and runs each for milliseconds, so
+- XLA:CPU's LLVM backend at optimisation level 0, and (jaxlib 0.10) its older loop emitters for fusions instead of
+  the MLIR fusion emitters: the suite compiles a few hundred tiny programs and runs each for milliseconds, so
   compile time is what counts (check-grads: 44 s -> 28 s at -O0; a tiny outer step's compile 5.7 s -> 3.7 s
   without the fusion emitters). The HLO programs and the checks are the same; float results may differ in
   the last bits (check-grads still agrees to ~1e-15, against tolerances of 1e-10).
@@ -23,14 +23,18 @@ import os
 import shutil
 import sys
 import tempfile
+from importlib.metadata import version
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before JAX is imported anywhere
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="metatrain-test-jax-cache-")
     os.environ["METATRAIN_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
 # one CPU device in this process unless asked for more: a run's mesh.cpu_devices=0 (the main job's) would otherwise
 # split the CPU of a test process whose backend has not started yet, for every test that runs in it after
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-             "--xla_cpu_parallel_codegen_split_count=1", "--xla_force_host_platform_device_count=1"):
+FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
+         "--xla_force_host_platform_device_count=1"]
+if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):  # jaxlib 0.11 no longer has the flag
+    FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+for flag in FLAGS:
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
