@@ -189,3 +189,25 @@ def test_the_shell_scripts_parse():
     for script in sorted((ROOT / "scripts").glob("*.sh")):
         res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert res.returncode == 0, f"{script.name}: {res.stderr}"
+
+
+def test_the_core_libraries_are_ranges_that_hold_the_versions_ci_tests():
+    """pyproject.toml declares the libraries metatrain builds on as ranges (a GPU machine's newer jax fits them);
+    .ci/constraints.txt pins the versions CI installs, and each pin lies inside its range."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {(r := Requirement(line)).name: r for line in project["dependencies"]}
+    pins = [Requirement(line) for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert {p.name for p in pins} >= {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"}
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", pin
+        rng = declared[pin.name].specifier
+        assert not any(s.operator == "==" for s in rng) and any(s.operator == "<" for s in rng), declared[pin.name]
+        assert rng.contains(spec.version), (pin, rng)
+    for extra in ("tpu", "cuda", "cuda13"):
+        (jax,) = [Requirement(r) for r in project["optional-dependencies"][extra] if r.startswith("jax[")]
+        assert jax.specifier == declared["jax"].specifier, extra
