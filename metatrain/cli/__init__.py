@@ -30,13 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM, raised where the program is (as SIGINT raises KeyboardInterrupt), so that the same clean-up runs."""
+    """SIGTERM or SIGINT, raised where the program is (as SIGINT raises KeyboardInterrupt), so that the same clean-up
+    runs."""
 
-    signum = signal.SIGTERM
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__()
+        self.signum = signum
+
+
+_stopping: list[int] = []  # the signal that stops the running command, until `main` has caught it
 
 
 def _stop(signum, _frame):
-    raise Stopped()
+    _stopping[:] = [signum]
+    raise Stopped(signum)
+
+
+def _again(_signum, _frame):
+    if _stopping:
+        raise Stopped(_stopping[0])
+
+
+def _raise_dropped_stops_again(previous):
+    """A `sys.unraisablehook` for a stop that Python dropped: one raised in a gc callback (JAX has one) or a
+    finalizer cannot leave it, and the command would run on. It is raised again 10 ms later (SIGALRM), in the code
+    running then; anything else goes to `previous`."""
+    def hook(unraisable):
+        if _stopping and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
+        else:
+            previous(unraisable)
+    return hook
 
 
 def main(argv=None) -> int:
@@ -44,7 +68,12 @@ def main(argv=None) -> int:
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if handled:
-        signal.signal(signal.SIGTERM, _stop)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop), signal.SIGALRM: signal.signal(signal.SIGALRM,
+                                                                                                        _again)}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
+        unraisable = sys.unraisablehook
+        sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
         return args.fn(args)
     except MetatrainError as e:
@@ -56,4 +85,9 @@ def main(argv=None) -> int:
         return 128 + signum
     finally:
         if handled:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _stopping.clear()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if sys.unraisablehook is ours:  # else another hook wraps it since (ours then passes everything on)
+                sys.unraisablehook = unraisable

@@ -1,0 +1,38 @@
+"""The command line's signal handling where Python drops the exception a signal raises."""
+
+import argparse
+import os
+import signal
+import time
+
+from metatrain import cli
+
+
+class SignalledInAFinalizer:
+    """Sends SIGTERM to this process from its finalizer: the handler's exception is raised there, where Python can
+    only drop it (as in JAX's gc callback)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+
+def test_a_stop_dropped_in_a_finalizer_still_stops_the_command(monkeypatch, capsys):
+    finished = []
+
+    def command(args):
+        SignalledInAFinalizer()  # finalized at once
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished.append(True)
+        return 0
+
+    parser = argparse.ArgumentParser(prog="metatrain")
+    parser.add_subparsers(dest="command").add_parser("slow").set_defaults(fn=command)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    started = time.monotonic()
+    assert cli.main(["slow"]) == 128 + signal.SIGTERM
+    assert not finished and time.monotonic() - started < 5
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain slow: stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
