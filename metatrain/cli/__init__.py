@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if handled:
-        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop), signal.SIGALRM: signal.signal(signal.SIGALRM,
-                                                                                                        _again)}
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
+                    signal.SIGALRM: signal.signal(signal.SIGALRM, _again)}
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
         unraisable = sys.unraisablehook
