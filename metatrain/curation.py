@@ -83,6 +83,7 @@ class Scale:
     drops: tuple[float, ...] = DROPS  # the default --drop
     ppl: tuple[str, ...] = PPL  # the perplexity filters that run
     raters: tuple[str, ...] = tuple(RATERS)
+    checkpoints: int = 4  # saved along each run, the last at its end: a killed experiment continues from the newest
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,7 +105,8 @@ SCALES = {
     # a smoke test of the transfer path: a minute or two (tests/metatrain/test_curation.py)
     "micro": Scale(d_model=16, n_layers=1, n_heads=2, d_ff=32, vocab_size=300, seq_len=32, batch=4, inner_steps=1,
                    budget=4 * 32 * 6, seeds=2, evals=2, eval_batches=2, rater_steps=3, rater_batch=4, population=2,
-                   lifetime=0, score_rows=1, filter_batch=8, target=Arch(d_model=32, n_layers=2, n_heads=2, d_ff=64)),
+                   lifetime=0, score_rows=1, filter_batch=8, target=Arch(d_model=32, n_layers=2, n_heads=2, d_ff=64),
+                   checkpoints=1),  # its runs take seconds: each saved at its end only
     # every arm at the rater's own model (the main job's), four ρ, every filter
     "tiny": Scale(**_TINY),
     # the raters of `tiny`, a target model with 4.1x their FLOPs per token (pretraining, from the jaxprs), at tiny's
@@ -366,7 +368,7 @@ class Experiment:
             f"data.eval_source=jsonl:{os.path.join(self.data, 'heldout.jsonl')}", f"data.batch={s.batch}",
             f"data.inner_steps={s.inner_steps}", f"data.seed={seed}", f"seed={seed}", f"steps={self.steps}",
             f"eval_every={max(1, self.steps // s.evals)}", f"eval_batches={s.eval_batches}",
-            f"checkpoint_every={max(1, self.steps // 4)}", "keep_checkpoints=1", f"log_every={self.steps}",
+            f"checkpoint_every={max(1, self.steps // s.checkpoints)}", "keep_checkpoints=1", f"log_every={self.steps}",
             f"workdir={workdir}"])
 
     def _arm(self, method: str, drop: float | None, seed: int, keep: np.ndarray) -> None:
@@ -470,7 +472,7 @@ class Experiment:
             f"data.eval_source=jsonl:{os.path.join(self.data, 'heldout.jsonl')}", f"data.batch={s.rater_batch}",
             "data.inner_steps=2", f"population.size={s.population}", f"population.lifetime={s.lifetime}",
             f"steps={s.rater_steps}", "baseline=none", f"eval_every={s.rater_steps}", "eval_batches=2",
-            f"checkpoint_every={max(1, s.rater_steps // 4)}", "keep_checkpoints=1",
+            f"checkpoint_every={max(1, s.rater_steps // s.checkpoints)}", "keep_checkpoints=1",
             f"log_every={max(1, s.rater_steps // 10)}", f"workdir={os.path.join(self.dir, 'raters', name)}"])
 
     def _rater_scores(self, name: str) -> np.ndarray:
