@@ -132,7 +132,7 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     """One config, three tools: equal memory_analysis() figures (a different program would differ)."""
     trainer = json.loads((shared_run["workdir"] / "outer_step.json").read_text())
     model_flags = ["--task", "loss_weighting", "--model", "tiny", "--vocab", "300", "--d-model", "16", "--n-heads",
-                   "2", "--d-ff", "32", "--n-layers", "2", "--seq-len", "16", "--batch", "8", "--inner-steps", "2"]
+                   "2", "--d-ff", "32", "--n-layers", "1", "--seq-len", "16", "--batch", "8", "--inner-steps", "2"]
     model_flags += ["--no-scan-layers"]  # the default preset's model.scan_layers=false
     same_run = ["baseline=uniform", "inner_lr=0.01", "steps=4"]  # and the default preset's model.remat=false
     assert cli.main(["compile", *model_flags, "--no-remat", "--json", str(tmp_path / "c.json"), *same_run]) == 0
