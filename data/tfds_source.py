@@ -88,12 +88,20 @@ def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = N
     return builder.data_dir, stats
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """The info of a dataset built here from local files: none is ever on TFDS's GCS bucket. (TFDS looks there for
+    a dataset it has no info of yet, and first makes a temporary folder that it never removes.)"""
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
 class _TextBuilder(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
     _generate = None
 
     def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+        return _LocalInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
 
     def _split_generators(self, dl_manager):
         return {"train": self._generate_examples()}

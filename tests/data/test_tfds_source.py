@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from helpers import one_line_error
@@ -33,6 +34,16 @@ def test_build_and_read_back_in_subprocess(tmp_path, capsys):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"n": 13, "first": "caf\ufffd au lait"}
+
+
+def test_a_build_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """TFDS looks on its GCS bucket for the info of a dataset it does not know yet, in a temporary folder it never
+    removes: a dataset built from local files is never there."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    tfds_source.build_text_dataset([str(_corpus(tmp_path))], "temp_docs", str(tmp_path / "tfds"))
+    assert list(temp.iterdir()) == []
 
 
 def test_pipeline_reads_the_built_dataset(tmp_path, capsys):
