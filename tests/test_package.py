@@ -208,6 +208,7 @@ def test_the_core_libraries_are_ranges_that_hold_the_versions_ci_tests():
         rng = declared[pin.name].specifier
         assert not any(s.operator == "==" for s in rng) and any(s.operator == "<" for s in rng), declared[pin.name]
         assert rng.contains(spec.version), (pin, rng)
+    assert project["requires-python"] == ">=3.11"  # what jax>=0.10.2 and flax>=0.12.8 require
     for extra in ("tpu", "cuda", "cuda13"):
         (jax,) = [Requirement(r) for r in project["optional-dependencies"][extra] if r.startswith("jax[")]
         assert jax.specifier == declared["jax"].specifier, extra
