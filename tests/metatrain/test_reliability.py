@@ -142,7 +142,8 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_newest_intact_one_used
     """As a user sees it, in a subprocess: one line naming the damaged checkpoint, no traceback. The model is the
     default preset's size: with more arrays per checkpoint, TensorStore's other reads of the damaged one were still
     in flight when the first failed, and their errors came out as tracebacks (about 16 of them)."""
-    workdir, model = tmp_path / "run", ("model.d_model=64", "model.n_heads=4", "model.d_ff=256", "data.seq_len=32")
+    workdir = tmp_path / "run"
+    model = ("model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.d_ff=256", "data.seq_len=32")
     train(workdir, *model, "steps=4", "checkpoint_every=2")
     biggest = _data_files(workdir, 4)[-1]
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # truncated
