@@ -28,8 +28,9 @@ from importlib.metadata import version
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before JAX is imported anywhere
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="metatrain-test-jax-cache-")
     os.environ["METATRAIN_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
-# one CPU device in this process unless asked for more: a run's mesh.cpu_devices=0 (the main job's) would otherwise
-# split the CPU of a test process whose backend has not started yet, for every test that runs in it after
+# the compile options of the module docstring, and one CPU device in this process unless asked for more: a run's
+# mesh.cpu_devices=0 (the main job's) would otherwise split the CPU of a test process whose backend has not started
+# yet, for every test that runs in it after
 FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
          "--xla_force_host_platform_device_count=1"]
 if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):  # jaxlib 0.11 no longer has the flag
