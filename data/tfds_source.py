@@ -8,11 +8,13 @@ refused unless `overwrite` is given (TFDS would otherwise keep the old dataset a
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 
 import tensorflow_datasets as tfds
 
@@ -36,10 +38,24 @@ class TextSource:
         return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
+@contextlib.contextmanager
+def _tfds_temporary_folders() -> Iterator[None]:
+    """While it runs, the temporary folders made in this process go into one that is removed after. TFDS looks for
+    the info of a registered dataset that is not prepared on its GCS bucket, in a temporary folder it never
+    removes (offline, an empty one per look-up)."""
+    with tempfile.TemporaryDirectory(prefix="metatrain-tfds-") as folder:
+        previous, tempfile.tempdir = tempfile.tempdir, folder
+        try:
+            yield
+        finally:
+            tempfile.tempdir = previous
+
+
 def text_source(name: str, split: str = "train", data_dir: str | None = None) -> TextSource:
     data_dir = data_dir or DEFAULT_DATA_DIR
     try:
-        source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        with _tfds_temporary_folders():
+            source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except Exception as e:  # noqa: BLE001 — TFDS raises several types for "not there"
         raise DataError(
             f"data.source: TFDS dataset {name!r} (split {split!r}) is not prepared in {data_dir} "

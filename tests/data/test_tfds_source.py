@@ -46,6 +46,17 @@ def test_a_build_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
     assert list(temp.iterdir()) == []
 
 
+def test_an_unprepared_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """A registered dataset that is not prepared here: TFDS looks for its info on GCS (offline here) in a temporary
+    folder it never removes; the one-line error leaves nothing behind."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with pytest.raises(ValueError, match="not prepared"):
+        tfds_source.text_source("lm1b", "train", str(tmp_path / "tfds"))
+    assert list(temp.iterdir()) == [] and tempfile.gettempdir() == str(temp)
+
+
 def test_pipeline_reads_the_built_dataset(tmp_path, capsys):
     src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
     tfds_source.build_text_dataset([str(src)], "pipe_docs", str(data_dir))
