@@ -24,8 +24,9 @@ from helpers import make_hf_checkpoint
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"<!-- test: (\S+) -->\n```(\w+)\n(.*?)```", re.S)
+# the sizes of helpers.TINY (its default shuffle window included)
 SMALL = ("model.n_layers=1 model.d_model=16 model.n_heads=2 model.d_ff=32 data.vocab_size=300 data.seq_len=16 "
-         "data.batch=8 data.shuffle_window=256 eval_batches=1 log_every=1")
+         "data.batch=8 eval_batches=1 log_every=1")
 PRELUDE = f"""set -euo pipefail
 metatrain() {{
   local cmd="$1"; shift
