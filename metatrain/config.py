@@ -330,6 +330,55 @@ def _dotlist(overrides) -> OmegaConf:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def _preset_config(preset: str):
+    """A preset's config: a shipped preset by name, or a YAML file of `key: value` groups (refused in one line when
+    missing, not UTF-8, not YAML, or not a mapping)."""
+    import yaml
+
+    if not preset.endswith((".yaml", ".yml")):
+        text = presets().get(preset)
+        if text is None:
+            raise ConfigError(f"preset: no config {preset!r}; choose one of {sorted(presets())} or give a .yaml "
+                              "path")
+        return OmegaConf.create(text)
+    if os.path.isdir(preset):
+        raise ConfigError(f"preset: {preset} is a directory, not a YAML file")
+    try:
+        text = read_text(preset)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"preset: {preset} is not UTF-8 text (byte {e.object[e.start]:#04x} at position "
+                          f"{e.start}); save it as UTF-8") from None
+    if text is None:
+        raise ConfigError(f"preset: {preset}: no such file")
+    try:
+        node = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f"line {where.line + 1}, column {where.column + 1}: " if where else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"preset: {preset} is not valid YAML ({at}{problem})") from None
+    if node is None:
+        return OmegaConf.create({})
+    if not isinstance(node, dict):
+        kind = {list: "a list", str: "plain text"}.get(type(node), f"a {type(node).__name__}")
+        raise ConfigError(f"preset: {preset} holds {kind}, not a mapping of settings; write "
+                          "`key: value` lines, e.g. `task: maml` and `model: {d_model: 64}`")
+    return OmegaConf.create(text)
+
+
+def _refuse_groups(overrides) -> None:
+    """An override that gives a whole group a value (`model=1`, `inner.lora=4`) is refused, naming one of its keys."""
+    import typing
+
+    for override in overrides:
+        key, node = override_key(override), Config
+        for part in key.split("."):
+            node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+        if dataclasses.is_dataclass(node):
+            raise ConfigError(f"{key}: a group of settings, not a value; set its keys, e.g. "
+                              f"{key}.{dataclasses.fields(node)[0].name}=...")
+
+
 def _keys(node, prefix: str = "") -> list[str]:
     """The dotted keys of a YAML mapping, groups and leaves."""
     out = []
@@ -357,18 +406,19 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
     try:
         merged = OmegaConf.structured(Config)
         if preset:
-            text = read_text(preset) if preset.endswith((".yaml", ".yml")) else presets().get(preset)
-            if text is None:
-                raise ConfigError(f"preset: no config {preset!r}; choose one of {sorted(presets())} or give a .yaml "
-                                  "path")
-            preset_cfg = OmegaConf.create(text)
+            preset_cfg = _preset_config(preset)
             _refuse_renamed(_keys(preset_cfg), f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
-            merged = OmegaConf.merge(merged, preset_cfg)
+            try:
+                merged = OmegaConf.merge(merged, preset_cfg)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'} in {preset}: "
+                                  f"{str(e).splitlines()[0]}") from None
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
         _refuse_renamed([override_key(o) for o in overrides])
+        _refuse_groups(overrides)
         merged = OmegaConf.merge(merged, _dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except ConfigError:

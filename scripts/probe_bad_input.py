@@ -164,6 +164,11 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("resume one more step", resume("steps=3"), None, setup=local_copies,
                      check=lambda d, o: "from step 2" in o))
     out.append(Probe("a bare override word", ["train", "default", "steps"], "key=value"))
+    out.append(Probe("a preset file that is not YAML", ["train", "my.yaml", *TINY], "is not valid YAML (line 2",
+                     setup=lambda d: write(d / "my.yaml", "task: [maml\n"), user_files=("my.yaml",)))
+    out.append(Probe("a preset file holding a list", ["train", "my.yaml", *TINY], "not a mapping of settings",
+                     setup=lambda d: write(d / "my.yaml", "- task: maml\n"), user_files=("my.yaml",)))
+    out.append(Probe("a value for a whole group", ["train", "model=64"], "a group of settings"))
     out.append(Probe("lora targets adapting nothing", train("inner.lora.rank=4", "inner.lora.targets=gate"),
                      "adapts no weight"))
     out.append(Probe("scorer settings for maml", train("task=maml", "meta_model.preset=44m"), "has no meta model"))

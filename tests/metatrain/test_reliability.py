@@ -112,6 +112,33 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     assert not (tmp_path / "run").exists()  # refused before the run started
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"task: [maml\n", "preset: my.yaml is not valid YAML (line 2, column 1: expected ',' or ']'"),
+    (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
+    (b"\xff\xfe task: maml", "preset: my.yaml is not UTF-8 text (byte 0xff at position 0)"),
+    (b"nosuch: 3\n", "nosuch in my.yaml: Key 'nosuch' not in 'Config'"),
+    (None, "preset: my.yaml: no such file"),
+])
+def test_a_bad_preset_file_is_a_one_line_error_naming_it(tmp_path, capsys, monkeypatch, content, message):
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / "my.yaml").write_bytes(content)
+    code = cli.main(["train", "my.yaml", *TINY, "workdir=run"])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, message)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model=1", "model: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
+    ("inner.lora=4", "inner.lora: a group of settings, not a value; set its keys, e.g. inner.lora.rank=..."),
+])
+def test_a_value_for_a_whole_group_names_its_keys(tmp_path, capsys, override, message):
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
+    assert code == 2
+    one_line_error(err, message)
+
+
 # ---- 3. one run per work dir --------------------------------------------------------------------------
 def test_a_second_run_in_a_busy_workdir_is_refused_and_a_dead_one_leaves_no_lock(tmp_path, capsys):
     workdir = tmp_path / "run"
