@@ -61,13 +61,19 @@ def topology_devices(topology: str):
     chip, dims = m.group(1), tuple(int(d) for d in m.groups()[1:] if d is not None)
     if chip not in HBM_GIB:
         raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)}")
+    if min(dims) < 1:
+        raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
     per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1))) + (1,) * (3 - len(dims))  # v5e/v6e: 2-D names
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
                                             chips_per_host_bounds=per_host, num_slices=1)
     except Exception as e:  # noqa: BLE001 — no libtpu, or a shape the compiler does not know
+        import importlib.util
+
+        fix = ("install the tpu extra: pip install -e '.[tpu]'" if importlib.util.find_spec("libtpu") is None
+               else f"give a slice shape that {chip} comes in")
         raise ConfigError(f"--topology {topology!r}: cannot describe it here ({str(e).splitlines()[0][:200]}); "
-                          f"install the tpu extra: pip install -e '.[tpu]'") from None
+                          f"{fix}") from None
     return topo.devices, HBM_GIB[chip] * GiB
 
 

@@ -142,3 +142,15 @@ def test_compile_reports_what_does_not_fit(capsys, monkeypatch, tmp_path):
         printed = capsys.readouterr().out
         assert all(line in printed for line in lines), printed
         assert json.loads(out.read_text())["exact"] is report["exact"]
+
+
+@pytest.mark.parametrize("topology, says", [
+    ("v5p", "write it as GENERATION:AxBxC"),
+    ("v9x:2x2x1", "unknown TPU generation 'v9x'"),
+    ("v5p:0x1x1", "every size must be at least 1 chip"),
+])
+def test_a_bad_topology_is_a_one_line_error(capsys, topology, says):
+    assert cli.main(["compile", "--topology", topology, "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("metatrain compile: error: --topology") and says in err and "\n" not in err
+    assert "install the tpu extra" not in err
