@@ -11,6 +11,26 @@ from metatrain.config import presets
 from metatrain.export import FORMATS, WHATS
 
 
+def _refuse_the_other_kind(command: str, workdir: str) -> None:
+    """`train` on a pretrain run's work dir (or `pretrain` on a meta-training run's) is refused before compiling,
+    saying which command continues it."""
+    from metatrain import workdir as workdir_lib
+    from metatrain.errors import ConfigError, MetatrainError
+    from metatrain.run import PRETRAIN, Run
+
+    if workdir_lib.latest_step(workdir) is None:
+        return
+    try:
+        kind = Run.open(workdir).kind
+    except MetatrainError:  # no config.yaml: `run_config` says what is wrong
+        return
+    other = "train" if command == "pretrain" else "pretrain"
+    if (kind == PRETRAIN) != (command == "pretrain"):
+        start = f" (inner.init_from={workdir} starts a meta-training run from it)" if kind == PRETRAIN else ""
+        raise ConfigError(f"workdir: {workdir} holds a `metatrain {other}` run; continue it with `metatrain {other}`, "
+                          f"or give `metatrain {command}` a new workdir{start}")
+
+
 def cmd_train(args) -> int:
     """`train` and `pretrain`: the same loop, with or without a meta level."""
     from metatrain import config as config_lib
@@ -24,8 +44,9 @@ def cmd_train(args) -> int:
         preset, overrides = overrides[0], overrides[1:]
     if getattr(args, "baseline", None):
         overrides.append(f"baseline={args.baseline}")
-    cfg, resume = workdir_lib.run_config(preset, overrides, args.resume,
-                                         default_preset="pretrain" if args.command == "pretrain" else "default")
+    default_preset = "pretrain" if args.command == "pretrain" else "default"
+    _refuse_the_other_kind(args.command, config_lib.load(preset or default_preset, overrides).workdir)
+    cfg, resume = workdir_lib.run_config(preset, overrides, args.resume, default_preset=default_preset)
     if joined == distributed.SINGLE:
         from metatrain.sharding import cpu_device_count, split_cpu
 

@@ -62,6 +62,19 @@ def test_pretrain_then_meta_train_from_it_then_export(tmp_path, capsys):
     assert code == 2
     assert cli.main(["train", *TINY, f"workdir={tmp_path / 'x'}", f"inner.init_from={tmp_path / 'missing'}"]) == 2
     one_line_error(capsys.readouterr().err, "inner.init_from:", "is not a directory")
+    # `train` in the pretrain run's work dir (a typo for `pretrain`, or for inner.init_from) is refused before it
+    # compiles, naming the command that continues it
+    for resume in ([], ["--resume"]):
+        assert cli.main(["train", *TINY, f"workdir={base}", "steps=5", *resume]) == 2
+        one_line_error(capsys.readouterr().err, f"workdir: {base} holds a `metatrain pretrain` run; continue it with "
+                       "`metatrain pretrain`", f"inner.init_from={base} starts a meta-training run from it")
+
+
+def test_pretrain_in_a_meta_training_runs_workdir_is_refused(shared_run, capsys):
+    workdir = shared_run["workdir"]
+    assert cli.main(["pretrain", *TINY, f"workdir={workdir}", "steps=9", "--resume"]) == 2
+    one_line_error(capsys.readouterr().err, f"workdir: {workdir} holds a `metatrain train` run; continue it with "
+                   "`metatrain train`, or give `metatrain pretrain` a new workdir")
 
 
 def test_export_writes_the_meta_parameters(shared_run, tmp_path, capsys):
