@@ -8,6 +8,7 @@ the limit to get its exact figures.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -60,6 +61,25 @@ def _tpu_chips_here() -> bool:
         return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+@contextlib.contextmanager
+def _libtpu_host(chip: str):
+    """While libtpu starts, on a machine without TPU chips: a TPU type and host name for it, which it otherwise asks
+    the cloud metadata server for, printing the failure as errors (the compiled programs are the same either way).
+    Only for that moment: a process this one starts later must not take itself for a TPU VM."""
+    given = {k: os.environ.get(k) for k in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
+    if not _tpu_chips_here():
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{'v5litepod' if chip == 'v5e' else chip}-8")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        yield
+    finally:
+        for key, value in given.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def topology_devices(topology: str):
     """(TPU devices of e.g. "v5p:2x2x1" for ahead-of-time compilation, HBM bytes per chip). Needs libtpu."""
     from jax.experimental import topologies
@@ -75,14 +95,10 @@ def topology_devices(topology: str):
     if min(dims) < 1:
         raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
     per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1))) + (1,) * (3 - len(dims))  # v5e/v6e: 2-D names
-    if not _tpu_chips_here():
-        # without a TPU type and host names libtpu asks the cloud metadata server for them and prints its failure as
-        # errors; the compiled program is the same either way
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{'v5litepod' if chip == 'v5e' else chip}-8")
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
-                                            chips_per_host_bounds=per_host, num_slices=1)
+        with _libtpu_host(chip):
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+                                                chips_per_host_bounds=per_host, num_slices=1)
     except Exception as e:  # noqa: BLE001 — no libtpu, or a shape the compiler does not know
         import importlib.util
 

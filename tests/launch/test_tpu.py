@@ -2,6 +2,7 @@
 compiling the outer step for v5p with libtpu."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -163,3 +164,20 @@ def test_a_bad_topology_is_a_one_line_error(capsys, topology, says):
     err = capsys.readouterr().err.strip()
     assert err.startswith("metatrain compile: error: --topology") and says in err and "\n" not in err
     assert "install the tpu extra" not in err
+
+
+@pytest.mark.tpu_backend
+def test_describing_a_topology_leaves_no_tpu_host_in_the_environment(monkeypatch):
+    """libtpu gets a TPU type and host name while it starts (no metadata-server errors); a process started after
+    must not inherit them and take itself for a TPU VM."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    from metatrain import aot
+
+    for key in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(key, raising=False)
+    devices, _ = aot.topology_devices("v5p:2x2x1")
+    assert len(devices) == 4
+    assert "TPU_ACCELERATOR_TYPE" not in os.environ and "TPU_WORKER_HOSTNAMES" not in os.environ
+    child = subprocess.run([sys.executable, "-c", "from metatrain import distributed; print(distributed._detected())"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "None", child.stdout  # a metatrain run started now joins no cluster
