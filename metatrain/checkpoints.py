@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from metatrain import workdir as workdir_lib
-from metatrain.errors import ConfigError, TrainingError
+from metatrain.errors import ConfigError, DataError, TrainingError
 
 
 def leaf_shapes(tree) -> dict[str, tuple]:
@@ -49,15 +49,25 @@ class _NoItemMetadataFilter(logging.Filter):
     CheckpointManager writes that file for the whole step only. Every read of a run's state said it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("Metadata file does not exist")
-                    and record.getMessage().endswith("_CHECKPOINT_METADATA"))
+        message = record.getMessage()
+        # (and a damaged checkpoint's missing metadata, which `saved_tree` reports in its own words)
+        return not ((message.startswith("Metadata file does not exist") and message.endswith("_CHECKPOINT_METADATA"))
+                    or message.startswith("Failed to get item metadata from directory"))
 
 
 logging.getLogger("absl").addFilter(_NoItemMetadataFilter())
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def saved_tree(state_dir: str) -> dict:
+    """The metadata tree of a checkpoint's saved state; a DataError where it cannot be read."""
+    metadata = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata
+    if metadata is None:
+        raise DataError(f"no metadata in {state_dir}")
+    return metadata.tree
 
 
 # What a failed read of a damaged checkpoint leaves behind: TensorStore's other reads of it fail too, or finish after
@@ -82,7 +92,7 @@ class _FailedReadFilter(logging.Filter):
         return not (record.exc_info and _from_failed_read(record.exc_info[1]))
 
 
-def _silence_failed_reads(checkpoint: str) -> None:
+def silence_failed_reads(checkpoint: str) -> None:
     """From the first failed read of `checkpoint` (a step's directory) on, the stray errors of the other reads are
     dropped; other unraisable exceptions and asyncio records go where they went. Those already pending are collected
     now."""
@@ -123,9 +133,9 @@ class Checkpoints:
         for step in sorted(self.manager.all_steps(), reverse=True):
             state_dir = os.path.join(self.dir, str(step), "state")
             try:
-                saved = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+                saved = saved_tree(state_dir)
             except Exception as e:  # noqa: BLE001 — any unreadable checkpoint counts as damaged
-                damaged.append((step, _first_line(e)))
+                damaged.append((step, first_line(e)))
                 continue
             difference = first_layout_difference(saved, state_target)
             if difference:
@@ -135,8 +145,8 @@ class Checkpoints:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(state_target), **other_items))
             except Exception as e:  # noqa: BLE001
-                _silence_failed_reads(os.path.join(self.dir, str(step)))
-                damaged.append((step, _first_line(e)))
+                silence_failed_reads(os.path.join(self.dir, str(step)))
+                damaged.append((step, first_line(e)))
                 continue
             self._set_aside(damaged, log)
             if damaged:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -24,6 +25,7 @@ from metatrain import config as config_lib
 from metatrain import models, paths
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
+from metatrain.checkpoints import first_line, saved_tree, silence_failed_reads
 from metatrain.config import Config
 from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
 from metatrain.errors import ConfigError, DataError, MetatrainError
@@ -48,17 +50,29 @@ class Checkpoint:
     saved: dict
 
     @classmethod
-    def latest(cls, workdir: str) -> Checkpoint:
-        """The newest finished checkpoint of `workdir`; a dir that is missing or has none is a one-line DataError."""
+    def latest(cls, workdir: str, say=lambda line: print(line, file=sys.stderr)) -> Checkpoint:
+        """The newest finished checkpoint of `workdir` whose metadata reads (`say` names any newer unreadable one);
+        a dir that is missing or has none is a one-line DataError."""
         workdir = paths.local(workdir)
         if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
             raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
-        step = workdir_lib.latest_step(workdir)
-        if step is None:
+        steps = workdir_lib.checkpoint_steps(workdir)
+        if not steps:
             raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
                             f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
-        state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
-        return cls(step, state_dir, ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree)
+        damaged = []
+        for step in reversed(steps):
+            state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
+            try:
+                saved = saved_tree(state_dir)
+            except Exception as e:  # noqa: BLE001 — any unreadable checkpoint counts as damaged
+                silence_failed_reads(os.path.dirname(state_dir))
+                damaged.append(f"{step}: {e if isinstance(e, MetatrainError) else first_line(e)}")
+                continue
+            if damaged:
+                say(f"{workdir}: reading checkpoint {step}, the newest intact one (damaged: {'; '.join(damaged)})")
+            return cls(step, state_dir, saved)
+        raise DataError(f"{workdir}: no intact checkpoint ({'; '.join(damaged)})")
 
     def part(self, key: str, target=None):
         """One top-level entry of the saved state, onto `target`'s shapes and shardings (default: the first
@@ -87,10 +101,11 @@ class Run:
     checkpoint: Checkpoint
 
     @classmethod
-    def open(cls, workdir: str) -> Run:
-        """The run in `workdir`; one that is missing, has no checkpoint or no config.yaml is a one-line DataError."""
+    def open(cls, workdir: str, say=lambda line: print(line, file=sys.stderr)) -> Run:
+        """The run in `workdir` at its newest intact checkpoint (`say` names newer damaged ones); one that is missing,
+        has no intact checkpoint or no config.yaml is a one-line DataError."""
         workdir = paths.local(workdir)
-        checkpoint = Checkpoint.latest(workdir)
+        checkpoint = Checkpoint.latest(workdir, say)
         if config_lib.read_text(workdir_lib.config_path(workdir)) is None:
             raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` "
                             f"or `metatrain pretrain`")

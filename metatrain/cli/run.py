@@ -21,8 +21,8 @@ def _refuse_the_other_kind(command: str, workdir: str) -> None:
     if workdir_lib.latest_step(workdir) is None:
         return
     try:
-        kind = Run.open(workdir).kind
-    except MetatrainError:  # no config.yaml: `run_config` says what is wrong
+        kind = Run.open(workdir, say=lambda _: None).kind
+    except MetatrainError:  # no config.yaml, no intact checkpoint: `run_config` or the Trainer says what is wrong
         return
     other = "train" if command == "pretrain" else "pretrain"
     if (kind == PRETRAIN) != (command == "pretrain"):

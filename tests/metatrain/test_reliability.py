@@ -3,6 +3,7 @@ field or file and exit 2, and no exit path loses or damages a checkpoint."""
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import shutil
@@ -195,7 +196,7 @@ def test_late_errors_of_a_damaged_checkpoints_reads_are_dropped(tmp_path, monkey
     asyncio_log = logging.getLogger("asyncio")
     monkeypatch.setattr(asyncio_log, "filters", list(asyncio_log.filters))
     root = tmp_path / "checkpoints"
-    checkpoints_lib._silence_failed_reads(str(root / "4"))
+    checkpoints_lib.silence_failed_reads(str(root / "4"))
     late = 'OUT_OF_RANGE: Error reading "w_out/0.0.0" in OCDBT database at local file "{}/state/": byte range'
     mine, other = ValueError(late.format(root / "4")), ValueError(late.format(root / "40"))
 
@@ -225,6 +226,23 @@ def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
     code, _, err = _train([f"workdir={workdir}", "steps=5", "log.wandb=false"], capsys)
     assert code == 2
     one_line_error(err, "no intact checkpoint in ", "4: ", "2: ", "start a new run in another workdir")
+
+
+def test_reading_a_run_skips_a_damaged_latest_checkpoint_and_says_so(shared_run, tmp_path, capsys):
+    """`export` (as `eval`, `scores`, `filter`, `generate`: they open runs alike) reads the newest checkpoint whose
+    metadata reads, naming the damaged one, and changes nothing in the run; none intact is one line."""
+    workdir = _copy(shared_run, tmp_path)
+    (workdir / "checkpoints" / "4" / "state" / "_METADATA").unlink()
+    assert cli.main(["export", str(workdir), "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    assert f"{workdir}: reading checkpoint 2, the newest intact one (damaged: 4: no metadata in " in err, err[-2000:]
+    assert "Traceback" not in err and "Failed to get item metadata" not in err
+    assert json.loads((tmp_path / "e" / "export.json").read_text())["step"] == 2
+    assert checkpoints(workdir) == [2, 4]
+    (workdir / "checkpoints" / "2" / "state" / "_METADATA").unlink()
+    assert cli.main(["export", str(workdir), "--out", str(tmp_path / "e2")]) == 2
+    one_line_error(capsys.readouterr().err, f"{workdir}: no intact checkpoint (4: no metadata in ", "; 2: no metadata")
+    assert not (tmp_path / "e2").exists()
 
 
 # ---- 6. resuming with another configuration, or nothing left to do ---------------------------------------
