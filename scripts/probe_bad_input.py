@@ -163,6 +163,16 @@ def probes(f: dict) -> list[Probe]:
                      setup=local_copies))
     out.append(Probe("resume one more step", resume("steps=3"), None, setup=local_copies,
                      check=lambda d, o: "from step 2" in o))
+    out.append(Probe("pretrain in a meta-training run's work dir", ["pretrain", *TINY, "workdir=r", "steps=5"],
+                     "holds a `metatrain train` run", setup=local_copies))
+
+    def damaged_latest(d):
+        local_copies(d)
+        (d / "r" / "checkpoints" / "2" / "state" / "_METADATA").unlink()
+
+    out.append(Probe("export of a run whose latest checkpoint is damaged", ["export", "r", "--out", "x"], None,
+                     setup=damaged_latest, check=lambda d, o: json.loads((d / "x" / "export.json").read_text())[
+                         "step"] == 1 and (d / "r" / "checkpoints" / "2").is_dir()))
     out.append(Probe("a bare override word", ["train", "default", "steps"], "key=value"))
     out.append(Probe("a preset file that is not YAML", ["train", "my.yaml", *TINY], "is not valid YAML (line 2",
                      setup=lambda d: write(d / "my.yaml", "task: [maml\n"), user_files=("my.yaml",)))
