@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements in one run, on one NVIDIA GPU (H100 or H200): step time of autodiff+remat against
 # mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler), then each side's
-# measured peak beside its compiled one, one process per model size and variant. MAML, B=4, S=2048, T=2, float32.
+# measured peak beside its compiled one, one process per model size and variant, then what fills each side's
+# compiled peak at the speed size (XLA's buffer assignment). MAML, B=4, S=2048, T=2, float32.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
 #
@@ -12,7 +13,7 @@
 # them and this checkout (that wheel where the machine has no setuptools) with --no-deps into a folder of its own,
 # over the machine's own jax.
 # Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), PEAK_TIMEOUT (150 s),
-# GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
+# BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
 #   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
 set -uo pipefail
 repo=$(realpath "$(dirname "$0")/..")
@@ -61,4 +62,10 @@ for size in ${PEAK_SIZES:-44m 489m 1b}; do
       >> "$out/gpu_bench.log" 2>&1 || log "$name: exit $? (out of memory or out of time: see the log)"
   done
 done
+# what fills each side's compiled peak at the speed size, from XLA's buffer assignment (arguments, parameter-sized
+# buffers, the rest), for why autodiff+remat takes more on the GPU than on a TPU chip
+log "buffers at $speed: each side's compiled peak by buffer (bench memory --breakdown)"
+timeout "${BREAKDOWN_TIMEOUT:-120}" python -m metatrain.cli bench memory "${problem[@]}" --model "$speed" \
+  --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat --breakdown \
+  --json "$out/breakdown_$speed.json" >> "$out/gpu_bench.log" 2>&1 || log "breakdown_$speed: exit $?"
 log "done: $(ls "$out" | tr '\n' ' ')"

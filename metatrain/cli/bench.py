@@ -17,6 +17,8 @@ def _config(args, model, overrides=()):
 
 
 def cmd_bench_memory(args) -> int:
+    import jax
+
     from metatrain import models
     from metatrain.bench import memory, report
     from metatrain.bench.variants import run_config, variants
@@ -44,7 +46,7 @@ def cmd_bench_memory(args) -> int:
     configs = [run_config(t, m, args.seq_len, args.batch, args.inner_steps, [*mesh, *args.overrides])
                for t in tasks for m in model_list]
     chosen = common.variants(args, args.variants or default_variants, args.baseline)
-    where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{args.backend} (ahead of time)"
+    where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{jax.default_backend()} (ahead of time)"
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
     done = common.read_rows(args.json) if args.resume else []
