@@ -363,7 +363,7 @@ def _preset_config(preset: str):
         kind = {list: "a list", str: "plain text"}.get(type(node), f"a {type(node).__name__}")
         raise ConfigError(f"preset: {preset} holds {kind}, not a mapping of settings; write "
                           "`key: value` lines, e.g. `task: maml` and `model: {d_model: 64}`")
-    return OmegaConf.create(text)
+    return OmegaConf.create(text)  # read again by OmegaConf's loader: it takes `1e-3` as a number, PyYAML's does not
 
 
 def _refuse_groups(overrides) -> None:
