@@ -134,8 +134,10 @@ def main() -> int:
     if env is not None:
         os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
     try:
+        from metatrain.cli import freeze_imported
         from metatrain.cli import main as cli_main
     except KeyboardInterrupt:  # Ctrl-C while the program starts
         print("metatrain: stopped by SIGINT", file=sys.stderr)
         return 130
+    freeze_imported()
     return cli_main()

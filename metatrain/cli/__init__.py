@@ -10,6 +10,7 @@ the signal's number.
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import sys
 import threading
@@ -18,6 +19,13 @@ from metatrain.cli import bench, check, data, experiment, generate, run
 from metatrain.errors import MetatrainError
 
 GROUPS = (run, check, bench, data, experiment, generate)
+
+
+def freeze_imported() -> None:
+    """Moves every object alive now (the modules imported so far: JAX, Flax, Optax, Orbax, ...) out of the garbage
+    collector's reach, for a process about to run one command: they live as long as the process, and each full
+    collection would scan them again (while JAX traces a program, about a tenth of a short command's CPU time)."""
+    gc.freeze()
 
 
 def build_parser() -> argparse.ArgumentParser:

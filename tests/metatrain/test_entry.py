@@ -77,6 +77,7 @@ def test_main_sets_jax_platforms_before_the_command_line_imports_jax(monkeypatch
     monkeypatch.setattr(entry, "relaunch", lambda: None)
     monkeypatch.setattr(entry, "cpu_env", lambda environ: {**environ, "JAX_PLATFORMS": "cpu"})
     monkeypatch.setattr(metatrain.cli, "main", lambda: os.environ.get("JAX_PLATFORMS"))
+    monkeypatch.setattr(metatrain.cli, "freeze_imported", lambda: None)
     assert entry.main() == "cpu"
 
 
@@ -90,6 +91,7 @@ def test_a_cpu_machine_with_libtpu_runs_on_the_cpu_without_tpu_errors(tmp_path):
     # the console script's order: metatrain.entry, then (in main) the command line, here one that starts JAX
     code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
             "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
+            "cli.freeze_imported = lambda: None; "
             "from metatrain import entry; entry.main()")
     environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
