@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import sys
+import warnings
 
 import jax
 import orbax.checkpoint as ocp
@@ -108,7 +109,9 @@ def silence_failed_reads(checkpoint: str) -> None:
 
         hook.drops_failed_reads = True
         sys.unraisablehook = hook
-    gc.collect()
+    with warnings.catch_warnings():  # the failed read's tasks that never ran
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+        gc.collect()
 
 
 class Checkpoints:
