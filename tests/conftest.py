@@ -43,9 +43,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before JAX is imported anyw
 # yet, for every test that runs in it after
 FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
          "--xla_force_host_platform_device_count=1"]
-if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):  # jaxlib 0.11 no longer has the flag
+JAXLIB = tuple(int(n) for n in version("jaxlib").split(".")[:2])
+if JAXLIB < (0, 11):  # jaxlib 0.11 no longer has the flag
     FLAGS.append("--xla_cpu_use_fusion_emitters=false")
-if tuple(int(n) for n in version("jaxlib").split(".")[:2]) == (0, 10):  # the version CI tests (an unknown flag aborts)
+if JAXLIB == (0, 10):  # the version CI tests (an unknown flag aborts)
     FLAGS.append("--xla_cpu_experimental_ynn_fusion_type=-individual_dot")
 for flag in FLAGS:
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -57,7 +58,7 @@ import pytest  # noqa: E402
 from helpers import TESTS, TINY  # noqa: E402
 
 gc.freeze()
-gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 100_000)
+gc.set_threshold(*gc.get_threshold()[:2], 100_000)
 
 FAKES = os.path.join(TESTS, "fakes")
 # the shared run: TINY with a uniform baseline, 4 steps, checkpoints and evaluations at 2 and 4,
