@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stopped(command: str, stop: KeyboardInterrupt) -> int:
+    signum = getattr(stop, "signum", signal.SIGINT)
+    print(f"metatrain {command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGINT, raised where the program is (as SIGINT raises KeyboardInterrupt), so that the same clean-up
     runs."""
@@ -71,6 +77,15 @@ def _raise_dropped_stops_again(previous):
     return hook
 
 
+def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The stop (Ctrl-C, SIGTERM) that `error` was raised while handling, if any: a signal raised in the middle of a
+    library's clean-up (a context manager's `__exit__` restoring its state) can make that clean-up fail in turn."""
+    seen = error.__context__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     handled = threading.current_thread() is threading.main_thread() and \
@@ -87,10 +102,13 @@ def main(argv=None) -> int:
     except MetatrainError as e:
         print(f"metatrain {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except Exception as e:
+        stop = _stop_behind(e)
+        if stop is None:
+            raise
+        return _stopped(args.command, stop)
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"metatrain {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+        return _stopped(args.command, e)
     finally:
         if handled:
             _stopping.clear()

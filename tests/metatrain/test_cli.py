@@ -5,6 +5,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from metatrain import cli
 
 
@@ -36,3 +38,36 @@ def test_a_stop_dropped_in_a_finalizer_still_stops_the_command(monkeypatch, caps
     assert not finished and time.monotonic() - started < 5
     assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain slow: stopped by SIGTERM"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+class FailsWhenInterrupted:
+    """A library's context manager whose clean-up fails when a signal interrupted its block (as Flax's
+    `split_rngs` did with SIGTERM during a model's init: "'RngStream' object has no attribute 'key'")."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        raise AttributeError("'RngStream' object has no attribute 'key'")
+
+
+def test_a_stop_that_breaks_a_librarys_clean_up_still_stops_the_command(monkeypatch, capsys):
+    def command(args):
+        with FailsWhenInterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        return 0
+
+    def broken(args):
+        with FailsWhenInterrupted():
+            pass
+
+    parser = argparse.ArgumentParser(prog="metatrain")
+    commands = parser.add_subparsers(dest="command")
+    commands.add_parser("init").set_defaults(fn=command)
+    commands.add_parser("broken").set_defaults(fn=broken)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["init"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain init: stopped by SIGTERM"
+    with pytest.raises(AttributeError):  # without a stop, an error in clean-up is a bug: its traceback stays
+        cli.main(["broken"])
