@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from metatrain import distributed, paths
 from metatrain.data import pipeline, records
-from metatrain.errors import ConfigError, DataError, MetatrainError
+from metatrain.errors import ConfigError, DataError
 from metatrain.run import Run
 
 METHODS = ("topk", "p_accept")
@@ -296,7 +296,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
             paths.write_json(os.path.join(out, "manifest.json"), manifest)
             shutil.rmtree(staging)
         return manifest
-    except (MetatrainError, KeyboardInterrupt):  # KeyboardInterrupt: Ctrl-C, or SIGTERM (`metatrain.cli`)
+    except BaseException:  # an error, Ctrl-C or SIGTERM (`metatrain.cli` raises it as a KeyboardInterrupt)
         if main:  # nothing half-written is left behind: OUT goes, or what went into a folder the user made
             for name in os.listdir(out) if os.path.isdir(out) and not made else []:
                 paths.remove(os.path.join(out, name))

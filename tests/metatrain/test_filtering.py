@@ -224,3 +224,19 @@ def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_ru
     assert _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3") == 0
     assert "starting again" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.jsonl"]
+
+
+def test_an_unexpected_error_leaves_no_output(shared_run, tmp_path, monkeypatch):
+    """Any error while filtering (here a bug's AttributeError in the scoring pass, as a library's failed clean-up
+    after a signal raises) takes OUT away, as a bad record or Ctrl-C does; the error itself is not hidden."""
+    from metatrain import filtering
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'RngStream' object has no attribute 'key'")
+
+    monkeypatch.setattr(filtering, "_score_pass", broken)
+    path, _ = _corpus(tmp_path, n_docs=8)
+    out = tmp_path / "cur"
+    with pytest.raises(AttributeError):
+        _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3")
+    assert not out.exists()
