@@ -93,11 +93,10 @@ class _FailedReadFilter(logging.Filter):
         return not (record.exc_info and _from_failed_read(record.exc_info[1]))
 
 
-def silence_failed_reads(checkpoint: str) -> None:
-    """From the first failed read of `checkpoint` (a step's directory) on, the stray errors of the other reads are
-    dropped; other unraisable exceptions and asyncio records go where they went. Those already pending are collected
-    now."""
-    _DAMAGED.add(os.path.join(checkpoint, ""))
+def drop_stray_read_errors() -> None:
+    """Drops the stray errors of failed reads (those `_FAILED_READ` starts and those naming a damaged checkpoint) from
+    now on; other unraisable exceptions and asyncio records go where they went. Called before a checkpoint is read:
+    TensorStore's late reads can report to a closed event loop before the failed restore's exception reaches us."""
     if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger("asyncio").filters):
         logging.getLogger("asyncio").addFilter(_FailedReadFilter())
     if not getattr(sys.unraisablehook, "drops_failed_reads", False):  # ours, unless something replaced it since
@@ -109,6 +108,13 @@ def silence_failed_reads(checkpoint: str) -> None:
 
         hook.drops_failed_reads = True
         sys.unraisablehook = hook
+
+
+def silence_failed_reads(checkpoint: str) -> None:
+    """From the first failed read of `checkpoint` (a step's directory) on, the stray errors of the other reads are
+    dropped (`drop_stray_read_errors`), also those naming its files; those already pending are collected now."""
+    _DAMAGED.add(os.path.join(checkpoint, ""))
+    drop_stray_read_errors()
     with warnings.catch_warnings():  # the failed read's tasks that never ran
         warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         gc.collect()
@@ -133,6 +139,7 @@ class Checkpoints:
     def restore(self, state_target, other_items: dict, log=lambda line: print(line, file=sys.stderr)):
         """(step, restored Composite) from the newest intact checkpoint; `state_target` are ShapeDtypeStructs."""
         damaged = []
+        drop_stray_read_errors()
         for step in sorted(self.manager.all_steps(), reverse=True):
             state_dir = os.path.join(self.dir, str(step), "state")
             try:

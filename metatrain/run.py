@@ -25,7 +25,7 @@ from metatrain import config as config_lib
 from metatrain import models, paths
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
-from metatrain.checkpoints import first_line, saved_tree, silence_failed_reads
+from metatrain.checkpoints import drop_stray_read_errors, first_line, saved_tree, silence_failed_reads
 from metatrain.config import Config
 from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
 from metatrain.errors import ConfigError, DataError, MetatrainError
@@ -61,6 +61,7 @@ class Checkpoint:
             raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
                             f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
         damaged = []
+        drop_stray_read_errors()
         for step in reversed(steps):
             state_dir = os.path.join(workdir_lib.checkpoint_dir(workdir), str(step), "state")
             try:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -216,6 +217,47 @@ def test_late_errors_of_a_damaged_checkpoints_reads_are_dropped(tmp_path, monkey
         sys.unraisablehook(type("Unraisable", (), dict(exc_type=ValueError, exc_value=error, exc_traceback=None,
                                                          err_msg="Exception ignored in", object=None))())
     assert unraisable == [other]
+
+
+def test_a_late_read_reporting_to_a_closed_loop_before_the_failure_is_dropped(shared_run, tmp_path, monkeypatch):
+    """TensorStore's other reads of a damaged checkpoint can finish after Orbax closed their event loop but before the
+    failed restore's exception reaches us (under load): their "Event loop is closed" goes to `sys.unraisablehook` then,
+    and must be dropped too. Simulated with a TensorStore future awaited on a loop that is closed, then completed from
+    another thread, inside the read that fails."""
+    import threading
+
+    import tensorstore as ts
+
+    from metatrain import run as run_lib
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))  # what it wraps
+    monkeypatch.setattr(checkpoints_lib, "_DAMAGED", set())
+    workdir = _copy(shared_run, tmp_path)
+    saved_tree = run_lib.saved_tree
+
+    def damaged_read(state_dir):
+        if not state_dir.endswith(os.path.join("4", "state")):
+            return saved_tree(state_dir)
+        promise, future = ts.Promise.new()
+
+        async def read():
+            asyncio.ensure_future(future)  # a TensorStore read, awaited on this loop
+            await asyncio.sleep(0)
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(read())
+        loop.close()  # the restore failed: its loop is gone, the read still runs
+        done = threading.Thread(target=lambda: promise.set_result(0))
+        done.start()
+        done.join()
+        raise ValueError("Encountered error while reading array index")
+
+    monkeypatch.setattr(run_lib, "saved_tree", damaged_read)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Task was destroyed but it is pending!" of the simulated read
+        assert run_lib.Checkpoint.latest(str(workdir), say=lambda line: None).step == 2
+    assert unraisable == []
 
 
 def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
