@@ -326,7 +326,8 @@ def test_a_signal_saves_and_stops_with_one_line(tmp_path, sig):
 
 
 SLOW_DATA = """
-import sys, time
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack where the run does not stop
 from metatrain import cli
 from metatrain.data import pipeline
 
@@ -360,7 +361,13 @@ def test_a_signal_stops_a_run_waiting_for_data_at_once(tmp_path):
                 assert proc.poll() is None and time.time() < deadline, err_path.read_text()[-3000:]
                 time.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                stacks = err_path.read_text()[-6000:]
+                raise AssertionError(f"no exit 60 s after SIGTERM; its threads:\n{stacks}") from None
         finally:
             proc.kill()
     text = err_path.read_text()
