@@ -55,13 +55,27 @@ class Stopped(KeyboardInterrupt):
 _stopping: list[int] = []  # the signal that stops the running command, until `main` has caught it
 
 
-def _stop(signum, _frame):
+def _compiling(frame) -> bool:
+    """Whether the main thread is waiting for XLA to compile a program: cut there, the compile goes on in XLA's
+    threads while the interpreter shuts down, and crashes it (a segmentation fault instead of the exit code)."""
+    while frame is not None:
+        if frame.f_code.co_name == "backend_compile_and_load" and "jax" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stop(signum, frame):
     _stopping[:] = [signum]
-    raise Stopped(signum)
+    _again(signum, frame)
 
 
-def _again(_signum, _frame):
+def _again(_signum, frame):
+    """Raises the stop where the program is; while XLA compiles, 50 ms later (SIGALRM) instead."""
     if _stopping:
+        if _compiling(frame):
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
         raise Stopped(_stopping[0])
 
 
