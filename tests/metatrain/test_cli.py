@@ -10,6 +10,15 @@ import pytest
 from metatrain import cli
 
 
+def _commands(monkeypatch, **commands):
+    """`cli.main` runs these commands (name -> fn) instead of metatrain's."""
+    parser = argparse.ArgumentParser(prog="metatrain")
+    sub = parser.add_subparsers(dest="command")
+    for name, fn in commands.items():
+        sub.add_parser(name).set_defaults(fn=fn)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+
+
 class SignalledInAFinalizer:
     """Sends SIGTERM to this process from its finalizer: the handler's exception is raised there, where Python can
     only drop it (as in JAX's gc callback)."""
@@ -30,9 +39,7 @@ def test_a_stop_dropped_in_a_finalizer_still_stops_the_command(monkeypatch, caps
         finished.append(True)
         return 0
 
-    parser = argparse.ArgumentParser(prog="metatrain")
-    parser.add_subparsers(dest="command").add_parser("slow").set_defaults(fn=command)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    _commands(monkeypatch, slow=command)
     started = time.monotonic()
     assert cli.main(["slow"]) == 128 + signal.SIGTERM
     assert not finished and time.monotonic() - started < 5
@@ -62,11 +69,7 @@ def test_a_stop_that_breaks_a_librarys_clean_up_still_stops_the_command(monkeypa
         with FailsWhenInterrupted():
             pass
 
-    parser = argparse.ArgumentParser(prog="metatrain")
-    commands = parser.add_subparsers(dest="command")
-    commands.add_parser("init").set_defaults(fn=command)
-    commands.add_parser("broken").set_defaults(fn=broken)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    _commands(monkeypatch, init=command, broken=broken)
     assert cli.main(["init"]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain init: stopped by SIGTERM"
     with pytest.raises(AttributeError):  # without a stop, an error in clean-up is a bug: its traceback stays
@@ -94,9 +97,7 @@ def test_a_stop_waits_for_the_xla_compile_in_flight(monkeypatch, capsys):
         after.append(True)
         return 0
 
-    parser = argparse.ArgumentParser(prog="metatrain")
-    parser.add_subparsers(dest="command").add_parser("fit").set_defaults(fn=command)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    _commands(monkeypatch, fit=command)
     assert cli.main(["fit"]) == 128 + signal.SIGTERM
     assert compiled == [True] and after == []
     assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain fit: stopped by SIGTERM"
