@@ -1,9 +1,13 @@
-"""Ahead-of-time helpers: a compiled program's memory, and TPU devices to compile for without a TPU.
+"""Ahead-of-time helpers: a compiled program's memory, and TPU or NVIDIA GPU devices to compile for without one.
 
 Depends on JAX alone, so the Trainer (mode=auto), `metatrain compile` and the benchmarks can all use
 it. A TPU topology comes from libtpu (the `tpu` extra); its compiler refuses a program whose
 temporaries pass the chip's HBM with RESOURCE_EXHAUSTED, and `compile_exact` compiles such a program past
-the limit to get its exact figures.
+the limit to get its exact figures. A GPU topology (`h100`, `h200`, or `h100:8` for eight in one host) comes from
+JAX's CUDA plugin (the `cuda` extra), which compiles for a described device without one: XLA's GPU compiler with
+the device's figures (`GPUS`) in place of a query; it refuses nothing, and the program fits where its peak is
+within the memory JAX's allocator gives a process (`XLA_PYTHON_CLIENT_MEM_FRACTION` of the GPU's, 0.75 unless
+set).
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from metatrain.errors import ConfigError, TrainingError
 
 GiB = 2**30
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.74, "v6e": 32.0}  # per chip
+# NVIDIA GPUs to compile for (CUDA's device properties, which XLA's GPU compiler otherwise queries: SMs, shared
+# memory and registers per SM, L2, clock, memory bandwidth and size). The memory: the H100's as CUDA reports it
+# (79.1 GiB of 80 GB); the H200's estimated alike, nvidia-smi's 143,771 MiB less the 564 MiB the driver keeps on an
+# H100 (139.85 GiB; JAX took 132.8 GiB of the H200 we measured at a memory fraction of 0.95).
+_HOPPER = {"core_count": 132, "clock_rate_ghz": 1.98, "l2_cache_size": 50 * 2**20, "shared_memory_per_core": 233472,
+           "shared_memory_per_block_optin": 232448, "compute_capability": (9, 0)}
+GPUS = {"h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bytes=84_929_347_584, memory_bandwidth=3.35e12),
+        "h200": dict(_HOPPER, name="NVIDIA H200", memory_bytes=150_163_357_696, memory_bandwidth=4.8e12)}
 
 
 def compiled_memory(compiled) -> dict:
@@ -80,18 +92,83 @@ def _libtpu_host(chip: str):
                 os.environ[key] = value
 
 
+def topology_backend(topology: str | None) -> str | None:
+    """The backend a `--topology` compiles for: "gpu" (h100, h200[:N]), "tpu" (GENERATION:AxBxC), None (here)."""
+    if not topology:
+        return None
+    return "gpu" if topology.split(":")[0] in GPUS else "tpu"
+
+
+def _gpu_target_config(spec: dict) -> str:
+    """XLA's GPU target config (a text proto) for a described device: what the compiler would query from it."""
+    major, minor = spec["compute_capability"]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
+  shared_memory_per_block: 49152 shared_memory_per_core: {spec["shared_memory_per_core"]}
+  shared_memory_per_block_optin: {spec["shared_memory_per_block_optin"]}
+  core_count: {spec["core_count"]} fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(spec["memory_bandwidth"])} l2_cache_size: {spec["l2_cache_size"]}
+  clock_rate_ghz: {spec["clock_rate_ghz"]} device_memory_size: {spec["memory_bytes"]}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{spec["name"]}"
+"""
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator gives this process (`XLA_PYTHON_CLIENT_MEM_FRACTION`)."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    try:
+        fraction = float(raw)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r}: give a number in (0, 1], e.g. 0.95")
+    return fraction
+
+
+def _gpu_devices(topology: str):
+    m = re.fullmatch(r"([a-z]\d+)(?::(\d+))?", topology)
+    count = int(m.group(2) or 1) if m else 0
+    if count < 1:
+        raise ConfigError(f"--topology {topology!r}: write a GPU as NAME or NAME:COUNT (GPUs in one host), e.g. "
+                          f"h100 or h100:8")
+    spec, fraction = GPUS[m.group(1)], gpu_memory_fraction()
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                            target_config=_gpu_target_config(spec))
+    except Exception as e:  # noqa: BLE001 — no CUDA plugin, or one that cannot describe a device
+        fix = ("install the cuda extra (JAX's CUDA plugin compiles without a GPU): pip install 'metatrain[cuda]'"
+               if isinstance(e, NotImplementedError) else "compile on the GPU itself (no --topology)")
+        raise ConfigError(f"--topology {topology!r}: cannot describe it here ({str(e).splitlines()[0][:200]}); "
+                          f"{fix}") from None
+    return topo.devices, fraction * spec["memory_bytes"]
+
+
 def topology_devices(topology: str):
-    """(TPU devices of e.g. "v5p:2x2x1" for ahead-of-time compilation, HBM bytes per chip). Needs libtpu."""
+    """(TPU devices of e.g. "v5p:2x2x1", or GPUs of e.g. "h100" or "h200:8", for ahead-of-time compilation; the
+    memory a program may use per device: the chip's HBM, or the GPU's share JAX gives a process). A TPU needs
+    libtpu (the tpu extra), a GPU JAX's CUDA plugin (the cuda extra); neither needs the device."""
+    if topology_backend(topology) == "gpu":
+        return _gpu_devices(topology)
     from jax.experimental import topologies
 
     # AOT compiles touch no chip: let them run beside another JAX process that holds libtpu's lock file
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
     if not m:
-        raise ConfigError(f"--topology {topology!r}: write it as GENERATION:AxBxC, e.g. v5p:2x2x1")
+        raise ConfigError(f"--topology {topology!r}: write it as GENERATION:AxBxC for a TPU slice, e.g. v5p:2x2x1, "
+                          f"or as {' or '.join(sorted(GPUS))} for GPUs (NAME:COUNT for several in one host)")
     chip, dims = m.group(1), tuple(int(d) for d in m.groups()[1:] if d is not None)
     if chip not in HBM_GIB:
-        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)}")
+        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)} (or a "
+                          f"GPU: {', '.join(sorted(GPUS))})")
     if min(dims) < 1:
         raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
     per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1))) + (1,) * (3 - len(dims))  # v5e/v6e: 2-D names

@@ -1,11 +1,12 @@
-"""Compile a run's outer step ahead of time, here or for a TPU topology (libtpu, no TPU needed), and report
-its per-device memory and whether it fits.
+"""Compile a run's outer step ahead of time, here or for a TPU topology (libtpu, no TPU needed) or NVIDIA GPUs
+(JAX's CUDA plugin, no GPU needed), and report its per-device memory and whether it fits.
 
 The program is the Trainer's own (`step.meta_program` + `step.lower`) over the run's mesh: this
 machine's devices, or the topology's chips with FSDP shardings. On a TPU, a program whose temporaries
 pass the chip's HBM is refused with RESOURCE_EXHAUSTED and then compiled past the limit
 (`aot.compile_exact`): every report is exact, `fits` is peak <= HBM, and a refused program's report also
-keeps the refusal's figure (`refused_bytes`, an estimate, not a peak).
+keeps the refusal's figure (`refused_bytes`, an estimate, not a peak). On a GPU `fits` is peak <= the memory
+JAX's allocator gives a process (`aot.topology_devices`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ import time
 import jax
 
 from metatrain import step as step_lib
-from metatrain.aot import compile_exact, compiled_memory, topology_devices
+from metatrain.aot import compile_exact, compiled_memory, topology_backend, topology_devices
 from metatrain.config import Config
 from metatrain.errors import ConfigError
 from metatrain.sharding import make_mesh
 
 
 def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Program, float | None]:
-    """The run's meta-training program over this machine's devices or a TPU topology, and the HBM per chip."""
+    """The run's meta-training program over this machine's devices or a topology's, and the memory per device."""
     devices, hbm = topology_devices(topology) if topology else (jax.devices(), None)
     mesh = make_mesh(cfg.mesh, devices, population=cfg.population.size if cfg.population.axis else 0)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.data.batch % shards:
-        where = f"the {len(devices)} chips of {topology}" if topology else f"the {len(devices)} devices here"
+        kind = "GPUs" if topology_backend(topology) == "gpu" else "chips"
+        where = f"the {len(devices)} {kind} of {topology}" if topology else f"the {len(devices)} devices here"
         raise ConfigError(f"--batch {cfg.data.batch} does not split over {where} (batches are split over data x "
                           f"fsdp = {shards}); use a multiple of {shards}")
     return step_lib.meta_program(cfg, mesh), hbm
@@ -40,7 +42,7 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
     `built`: `program_for(cfg, topology)` when the caller has it already; `options`: compile options (e.g. a dump)."""
     program, hbm = built or program_for(cfg, topology)
     d = cfg.data
-    report = {"topology": topology, "backend": "tpu" if topology else jax.default_backend(),
+    report = {"topology": topology, "backend": topology_backend(topology) or jax.default_backend(),
               "devices": program.mesh.size, "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
               "model": dataclasses.asdict(cfg.model), "task": cfg.task,
               "mode": cfg.metagrad.mode, "plan": program.plan.name,
@@ -49,7 +51,8 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
               "offload_moments": cfg.meta_opt.offload_moments, "offload_params": cfg.meta_opt.offload_params,
               "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
     start = time.perf_counter()
-    compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology is not None, options=options)
+    compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology_backend(topology) == "tpu",
+                                               options=options)
     if compiled is None:  # refused, and this generation's compiler cannot go past the limit: no exact figure
         return report | {"fits": False, "exact": False, "peak_bytes": None, "refused_bytes": refused,
                          "message": message, "compile_s": round(time.perf_counter() - start, 2)}

@@ -2,11 +2,12 @@
 
 Nothing is allocated: the run's outer step (`metatrain.step`: T inner steps, the outer loss, its
 meta-gradient and the meta-optimizer update, state donated) is lowered with `jax.ShapeDtypeStruct`
-inputs and compiled, for this machine's CPU or for a TPU topology (libtpu, no TPU needed), and
+inputs and compiled, for this machine's CPU, a TPU topology (libtpu, no TPU needed) or NVIDIA GPUs (JAX's CUDA
+plugin, no GPU needed), and
 `compiled.memory_analysis()` gives the sizes. We split the peak as the paper does (Sec. 4, A.3):
 
 - peak     = everything live at the high-water mark: on TPU the compiler's own figure (`aot.compiled_memory`),
-             on CPU arguments + outputs - aliased + temp
+             on CPU and GPU arguments + outputs - aliased + temp
 - static   = arguments + outputs - aliased + kept inner states + ∇η: the state (η, the meta-optimizer
              state, a carried inner state), the batches, (T - 1) x (θ, υ) (the first step's are the inputs) and
              with saved inner gradients T x ∇L, and the meta-gradient: allocated once, written once.
@@ -34,6 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from metatrain.aot import topology_backend
 from metatrain.bench import buffers
 from metatrain.bench.compile import compile_report, program_for
 from metatrain.bench.variants import Variant
@@ -148,7 +150,7 @@ KEY_FIELDS = ("task", "backend", "topology", "params", "n_layers", "d_model", "n
 def identity(cfg: Config, variant: Variant, topology: str | None) -> dict:
     """What a row is measured at (KEY_FIELDS): task, backend, model, shapes and variant; known before compiling."""
     model, d = variant.model(cfg.model), cfg.data
-    return {"variant": variant.name, "task": cfg.task, "backend": "tpu" if topology else jax.default_backend(),
+    return {"variant": variant.name, "task": cfg.task, "backend": topology_backend(topology) or jax.default_backend(),
             "topology": topology, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
             "d_ff": model.d_ff, "vocab": model.vocab_size, "params": param_count(model), "attention": model.attention,
             "compute_dtype": str(model.activation_dtype), "seq_len": d.seq_len, "batch": d.batch,
@@ -215,7 +217,8 @@ def table(rows: list[dict], baseline: str) -> str:
         lines.append(f"| {r['task']} | {count(r['params'])} | {r['n_layers']} | {r['variant']} | {peak} | "
                      f"{size(r['static_bytes'])} | {size(r['dynamic_bytes'])} | {size(r['kept_bytes'])} | "
                      f"{size(r['temp_bytes'])} | {flops} | {ratio(r['peak_ratio'])} | {ratio(r['dynamic_ratio'])} |")
-    where = f"per chip, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
+    unit = "GPU" if rows[0]["backend"] == "gpu" else "chip"
+    where = f"per {unit}, {rows[0]['topology']}" if rows[0]["topology"] else rows[0]["backend"]
     return "\n".join(lines) + (f"\n({where}; the Trainer's outer step; ratios: {baseline} ÷ variant, higher means "
                                f"less memory than {baseline}; static = inputs + outputs + kept inner states + ∇η, "
                                f"dynamic = the rest; where no loop over inner steps is left (T <= 2 or +unroll) the "

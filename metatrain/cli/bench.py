@@ -7,7 +7,7 @@ from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
 
 LADDER_DEFAULT = "44m,140m,489m,1b"
-TPU_MESH = ["mesh.fsdp=-1", "mesh.data=-1"]  # FSDP over all the topology's chips
+TPU_MESH = ["mesh.fsdp=-1", "mesh.data=-1"]  # FSDP over all the topology's chips (or GPUs)
 
 
 def _config(args, model, overrides=()):
@@ -20,14 +20,17 @@ def cmd_bench_memory(args) -> int:
     import jax
 
     from metatrain import models
+    from metatrain.aot import topology_backend
     from metatrain.bench import memory, report
     from metatrain.bench.variants import run_config, variants
 
     if args.resume and not args.json:
         raise ConfigError("--resume keeps the rows of the --json file: give --json PATH too")
-    topology = args.topology or ("v5p:1x1x1" if args.backend == "tpu" else None)
-    if topology and args.backend != "tpu":
-        raise ConfigError("--topology is for --backend tpu (TPU ahead-of-time); drop it or add --backend tpu")
+    topology = args.topology or {"tpu": "v5p:1x1x1", "gpu": "h100"}.get(args.backend)
+    if topology and topology_backend(topology) != args.backend:
+        want = topology_backend(topology)
+        raise ConfigError(f"--topology {topology} is for --backend {want} ({want.upper()} ahead of time); drop it or "
+                          f"add --backend {want}")
     mesh = TPU_MESH if topology else []
     tasks, names = [args.task], {}
     default_variants = "autodiff+remat,mixflow+remat+save"
@@ -46,7 +49,8 @@ def cmd_bench_memory(args) -> int:
     configs = [run_config(t, m, args.seq_len, args.batch, args.inner_steps, [*mesh, *args.overrides])
                for t in tasks for m in model_list]
     chosen = common.variants(args, args.variants or default_variants, args.baseline)
-    where = f"TPU {topology} (ahead of time, libtpu)" if topology else f"{jax.default_backend()} (ahead of time)"
+    where = ({"tpu": f"TPU {topology} (ahead of time, libtpu)", "gpu": f"GPU {topology} (ahead of time, CUDA plugin)"}
+             [args.backend] if topology else f"{jax.default_backend()} (ahead of time)")
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
     done = common.read_rows(args.json) if args.resume else []
@@ -125,7 +129,7 @@ def cmd_bench_fit(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from metatrain.aot import GiB
+    from metatrain.aot import GiB, gpu_memory_fraction
     from metatrain.bench.compile import compile_report
 
     model = common.model(args, remat=not args.no_remat)
@@ -137,7 +141,9 @@ def cmd_compile(args) -> int:
           f"T={cfg.data.inner_steps}", flush=True)
     r = compile_report(cfg, args.topology)
     print(f"meta-gradient: {r['plan']}")
-    hbm = f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["hbm_bytes"] else ""
+    hbm = (f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["backend"] == "tpu" else
+           f"; memory per GPU for this process {r['hbm_bytes'] / GiB:.2f} GiB "
+           f"(XLA_PYTHON_CLIENT_MEM_FRACTION {gpu_memory_fraction():g})") if r["hbm_bytes"] else ""
     print(f"mesh {r['mesh']} over {r['devices']} {r['backend']} device(s){hbm}")
     if not r["exact"]:
         print(f"does NOT fit: the TPU compiler refused it, estimating {r['refused_bytes'] / GiB:.2f} GiB of "
@@ -180,7 +186,9 @@ def register(sub) -> None:
                    help="ablation: mode x remat x save; layers: --layers; ladder: --models; tasks: --tasks")
     p.add_argument("--models", default=None, help=f"ladder presets (default {LADDER_DEFAULT})")
     p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
-    p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1)")
+    p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1), GPUs for "
+                                                    "--backend gpu (h100 or h200, NAME:COUNT for several; default "
+                                                    "h100)")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot")
     p.add_argument("--timeline", metavar="PNG", default=None,
                    help="also plot each program's live memory over its compiled schedule (from the compiler's "
@@ -192,7 +200,8 @@ def register(sub) -> None:
                    help="n_layers values for --grid layers, e.g. 2,8")
     p.add_argument("--variants", default=None, help="comma list, e.g. autodiff+remat,mixflow+remat+save")
     p.add_argument("--baseline", default="autodiff+remat")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "tpu"])
+    p.add_argument("--backend", default="cpu", choices=["cpu", "tpu", "gpu"],
+                   help="cpu: this machine; tpu (libtpu) and gpu (JAX's CUDA plugin): ahead of time, no device needed")
     p.add_argument("--resume", action="store_true",
                    help="with --json: keep the rows already in PATH measured at the same task, model, shapes and "
                         "variant, compile only the rest (PATH is rewritten after every row either way)")
@@ -234,11 +243,12 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
     p.set_defaults(fn=cmd_bench_fit)
 
-    p = sub.add_parser("compile", help="compile the run's outer step ahead of time (for a TPU topology with libtpu, "
-                                       "no TPU needed, or for this machine); per-device memory; exit 1 if it does "
-                                       "not fit")
+    p = sub.add_parser("compile", help="compile the run's outer step ahead of time (for a TPU topology with libtpu "
+                                       "or NVIDIA GPUs with JAX's CUDA plugin, no device needed, or for this "
+                                       "machine); per-device memory; exit 1 if it does not fit")
     common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2)
-    p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4 (default: this machine's devices)")
+    p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4, h100, h200:8 (default: this "
+                                                    "machine's devices)")
     p.add_argument("--mode", default="mixflow", choices=MODES)
     p.add_argument("--fsdp", type=int, default=-1, help="fsdp mesh axis size (-1 = all devices); data = the rest")
     p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
