@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from importlib import metadata
 
 import jax
 
@@ -36,6 +37,18 @@ def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Prog
     return step_lib.meta_program(cfg, mesh), hbm
 
 
+def where(devices=None) -> dict:
+    """The device (`devices`, else this machine's) and the versions a row was measured or compiled with."""
+    devices = devices if devices is not None else jax.devices()
+    versions = {}
+    for name in ("jax", "jaxlib", "flax", "metatrain"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"device": devices[0].device_kind, "devices": len(devices), "versions": versions}
+
+
 def compile_report(cfg: Config, topology: str | None = None, built: tuple | None = None,
                    options: dict | None = None) -> dict:
     """Per-device memory of the run's outer step (and, on a TPU topology, whether it fits the chip's HBM).
@@ -49,7 +62,8 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
               "save_inner_grads": cfg.metagrad.save_inner_grads, "kept_states": cfg.metagrad.kept_states,
               "state_dtype": cfg.metagrad.state_dtype, "offload_states": cfg.metagrad.offload_states,
               "offload_moments": cfg.meta_opt.offload_moments, "offload_params": cfg.meta_opt.offload_params,
-              "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps}
+              "batch": d.batch, "seq_len": d.seq_len, "inner_steps": d.inner_steps,
+              **where(list(program.mesh.devices.flat))}
     start = time.perf_counter()
     compiled, refused, message = compile_exact(step_lib.lower(program), tpu=topology_backend(topology) == "tpu",
                                                options=options)

@@ -20,14 +20,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from importlib import metadata
 
 import jax
 
 from metatrain import aot
 from metatrain import step as step_lib
 from metatrain.aot import compiled_memory
-from metatrain.bench.compile import program_for
+from metatrain.bench.compile import program_for, where
 from metatrain.bench.variants import Variant
 from metatrain.config import Config
 from metatrain.errors import ConfigError
@@ -55,17 +54,6 @@ def device_peak_bytes() -> int | None:
     """The most memory device 0 has held since the process started (None where it keeps no statistics: CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
-
-
-def where() -> dict:
-    """The device and the versions a row was measured with."""
-    versions = {}
-    for name in ("jax", "jaxlib", "flax", "metatrain"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "versions": versions}
 
 
 def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int = 5, warmup: int = 1,
