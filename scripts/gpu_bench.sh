@@ -2,7 +2,8 @@
 # The GPU measurements in one run, on one NVIDIA GPU (H100 or H200): step time of autodiff+remat against
 # mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler), then each side's
 # measured peak beside its compiled one, one process per model size and variant, then what fills each side's
-# compiled peak at the speed size (XLA's buffer assignment). MAML, B=4, S=2048, T=2, float32.
+# compiled peak at the speed size (XLA's buffer assignment), and the same compiled for a described GPU of its kind
+# without the device (`--topology h100|h200`). MAML, B=4, S=2048, T=2, float32.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
 #
@@ -68,4 +69,11 @@ log "buffers at $speed: each side's compiled peak by buffer (bench memory --brea
 timeout "${BREAKDOWN_TIMEOUT:-120}" python -m metatrain.cli bench memory "${problem[@]}" --model "$speed" \
   --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat --breakdown \
   --json "$out/breakdown_$speed.json" >> "$out/gpu_bench.log" 2>&1 || log "breakdown_$speed: exit $?"
+# the same two programs compiled for a described GPU of this kind (--topology: JAX's CUDA plugin without the device,
+# as on a machine without a GPU): peaks equal to the breakdown's above mean that ahead-of-time GPU figures hold here
+gpu=$(python -c "import jax; print('h200' if 'H200' in jax.devices()[0].device_kind else 'h100')" 2>/dev/null || echo h100)
+log "buffers at $speed compiled for a described $gpu (bench memory --backend gpu --topology $gpu)"
+timeout "${BREAKDOWN_TIMEOUT:-120}" python -m metatrain.cli bench memory --backend gpu --topology "$gpu" "${problem[@]}" \
+  --model "$speed" --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat --breakdown \
+  --json "$out/aot_${gpu}_$speed.json" >> "$out/gpu_bench.log" 2>&1 || log "aot_${gpu}_$speed: exit $?"
 log "done: $(ls "$out" | tr '\n' ' ')"
