@@ -172,11 +172,16 @@ def _param_sized(dims: tuple[int, ...], leaves: set[tuple[int, ...]]) -> bool:
 def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_bytes: int) -> dict:
     """The peak's bytes split into arguments, parameter-sized temporaries (a leaf of θ's shape, or a stack of up
     to 16 such; per shape: how many buffers) and the rest; `param_units`: the parameter-sized bytes
-    in units of θ's. Leaves under 64K elements are too small to tell apart from activations and are left out."""
+    in units of θ's. Leaves under 64K elements are too small to tell apart from activations and are left out.
+    `by_shape`: every live buffer by dtype and shape, [shape, how many, bytes], the 24 largest in bytes."""
     leaves = _leaves(param_leaves)
     parts = Counter()
     per_leaf = Counter()
+    shape_bytes, shape_count = Counter(), Counter()
     for b in buffers:
+        shape = b["shape"].split("{")[0]
+        shape_bytes[shape] += b["bytes"]
+        shape_count[shape] += 1
         if b["kind"] == "argument":
             parts["argument_bytes"] += b["bytes"]
         elif _param_sized(_dims(b["shape"]), leaves):
@@ -188,7 +193,8 @@ def breakdown(buffers: list[dict], param_leaves: list[tuple[int, ...]], param_by
     return {"live_bytes": total, **{k: parts[k] for k in ("argument_bytes", "param_sized_bytes", "other_bytes")},
             "param_units": parts["param_sized_bytes"] / param_bytes if param_bytes else None,
             "param_sized_shapes": dict(per_leaf.most_common()),
-            "largest": [{k: b[k] for k in ("name", "bytes", "shape", "kind", "op")} for b in buffers[:16]]}
+            "largest": [{k: b[k] for k in ("name", "bytes", "shape", "kind", "op")} for b in buffers[:16]],
+            "by_shape": [[shape, shape_count[shape], n] for shape, n in shape_bytes.most_common(24)]}
 
 
 def _outer(op: str) -> str:

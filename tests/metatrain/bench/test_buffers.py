@@ -57,6 +57,9 @@ def test_a_scans_stacked_output_and_the_loop_carrying_it_are_one_buffer(tmp_path
     assert b["argument_bytes"] == stack + 4 * N and b["live_bytes"] == live
     # parameter-sized: the stack once, and the carried h, [N] like the leaf
     assert b["param_sized_bytes"] == stack + 4 * N and b["param_sized_shapes"] == {f"f32[8,{N}]": 1, f"f32[{N}]": 1}
+    # every live buffer by shape: the stack (once) beside the argument w of its shape; all of the peak
+    by_shape = {shape: (count, n) for shape, count, n in b["by_shape"]}
+    assert by_shape[f"f32[8,{N}]"] == (2, 2 * stack) and sum(n for _, n in by_shape.values()) == live
     out = buffers.profile(str(tmp_path), [(N,)], 4 * N, points=50)
     t = out["timeline"]
     assert len(t["live_bytes"]) == min(50, t["positions"]) and max(t["live_bytes"]) == live
