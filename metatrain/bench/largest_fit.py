@@ -1,11 +1,11 @@
-"""The largest model on the size ladder whose outer step fits a TPU topology, per variant (`bench fit`).
+"""The largest model on the size ladder whose outer step fits a TPU topology or GPUs, per variant (`bench fit`).
 
 Each candidate is the Trainer's real outer step (task, meta-optimizer, FSDP over the topology's
-chips) compiled ahead of time by libtpu (`bench.compile.compile_report`). Peak memory grows with
-the ladder, so a binary search over it needs about log2(len(ladder)) compiles per variant; every
+chips or GPUs) compiled ahead of time by libtpu or JAX's CUDA plugin (`bench.compile.compile_report`). Peak
+memory grows with the ladder, so a binary search over it needs about log2(len(ladder)) compiles per variant; every
 compile tried is reported with its exact peak (a program over HBM is compiled past the limit). A preset
-fits when its peak is at most FIT_MARGIN of the chip's HBM: the runtime needs some room of its own, and a
-program at 99.9% of HBM is not one a user can run.
+fits when its peak is at most FIT_MARGIN of the chip's HBM (a GPU's: the memory JAX gives a process): the runtime
+needs some room of its own, and a program at 99.9% of HBM is not one a user can run.
 """
 
 from __future__ import annotations

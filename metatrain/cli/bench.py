@@ -233,9 +233,9 @@ def register(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(fn=cmd_bench_generate)
 
-    p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology, per variant")
+    p = bench.add_parser("fit", help="largest ladder preset whose outer step fits a TPU topology or GPUs, per variant")
     common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2, model_flags=False)
-    p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1")
+    p.add_argument("--topology", required=True, help="e.g. v5p:1x1x1, h100")
     p.add_argument("--variants", default="autodiff+remat,mixflow+remat+save",
                    help="the baseline first, then those to compare with it, e.g. "
                         "autodiff+remat,mixflow+remat+save+sqrt+blockwise+bf16")
