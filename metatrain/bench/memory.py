@@ -241,6 +241,6 @@ def breakdown_table(rows: list[dict]) -> str:
                      f"{g(b['param_sized_bytes'])} ({b['param_units']:.1f}) | {g(b['other_bytes'])} | {shapes} |")
     return "\n".join(lines) + ("\n(GiB; compiled peak: the rows' peak; live at peak: the buffers live where the "
                                "sum over the compiler's buffer assignment peaks, each place in memory once (on TPU "
-                               "the same figure; on CPU the compiled peak also counts the allocator's gaps); "
+                               "the same figure; on CPU and GPU the compiled peak also counts the allocator's gaps); "
                                "parameter-sized: a leaf of θ's shape, or a stack of per-step copies; x θ: their "
                                "bytes over θ's)")
