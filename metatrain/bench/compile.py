@@ -56,7 +56,7 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
     program, hbm = built or program_for(cfg, topology)
     d = cfg.data
     report = {"topology": topology, "backend": topology_backend(topology) or jax.default_backend(),
-              "devices": program.mesh.size, "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
+              "mesh": dict(program.mesh.shape), "hbm_bytes": hbm,
               "model": dataclasses.asdict(cfg.model), "task": cfg.task,
               "mode": cfg.metagrad.mode, "plan": program.plan.name,
               "save_inner_grads": cfg.metagrad.save_inner_grads, "kept_states": cfg.metagrad.kept_states,
