@@ -63,6 +63,7 @@ def test_bench_memory_backend_and_topology_agree(capsys):
     assert "--topology v5p:1x1x1 is for --backend tpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # XLA's GPU compiler: about 20 CPU s for the tiny outer step (its fusion search, ptxas)
 @pytest.mark.skipif(_cuda_plugin_path() is None,
                     reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin")
 def test_compile_for_two_gpus_without_one(tmp_path):
