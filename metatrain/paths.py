@@ -35,16 +35,21 @@ def prefixed(spec: str | None, prefixes: tuple[str, ...], bare: bool = False) ->
 
 
 def output_file(path: str, flag: str) -> str:
-    """A file a command will write, checked before any work: absolute, not a directory; its folder is made."""
+    """A file a command will write, checked before any work: absolute, not a directory, in a folder that can be
+    made and written; its folder is made."""
     from metatrain.errors import ConfigError
 
     path = local(path)
     if os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a directory; give the path of a file to write")
-    parent = os.path.dirname(path)
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ConfigError(f"{flag}: {parent} is a file, so {path} cannot be written; give another path")
-    os.makedirs(parent, exist_ok=True)
+    above = os.path.dirname(path)
+    while above and not os.path.exists(above):
+        above = os.path.dirname(above)
+    if above and not os.path.isdir(above):
+        raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be written; give another path")
+    if above and not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: {above} is not writable, so {path} cannot be written; give another path")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
 
 

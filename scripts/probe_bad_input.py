@@ -278,6 +278,10 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("plot into a dir", ["plot", run, "--out", "adir"], None, setup=lambda d: (d / "adir").mkdir(),
                      check=lambda d, o: (d / "adir" / "curves.png").is_file()))
     out.append(Probe("plot of a missing run", ["plot", "nothing"], "metrics.jsonl"))
+    out.append(Probe("bench --json under a file", ["bench", "time", "--model", "tiny", "--json", "afile/x.json"],
+                     "is a file", setup=lambda d: write(d / "afile", "x")))
+    out.append(Probe("check-grads --json a dir", ["check-grads", "--task", "maml", "--json", "adir"], "is a directory",
+                     setup=lambda d: (d / "adir").mkdir()))
 
     def cut_metrics(d):
         import shutil

@@ -112,6 +112,10 @@ def main(argv=None) -> int:
         unraisable = sys.unraisablehook
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
+        if getattr(args, "json", None):  # every command's --json: checked (its folder made) before any work
+            from metatrain import paths
+
+            args.json = paths.output_file(args.json, "--json")
         return args.fn(args)
     except MetatrainError as e:
         print(f"metatrain {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)

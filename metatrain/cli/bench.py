@@ -213,7 +213,7 @@ def register(sub) -> None:
     p.add_argument("--variants", default="autodiff+remat,mixflow+remat+save")
     p.add_argument("--baseline", default="autodiff+remat")
     p.add_argument("--rounds", type=common.positive_int, default=7, help="interleaved timed rounds")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant after compiling")
+    p.add_argument("--warmup", type=common.nonnegative_int, default=1, help="untimed steps per variant after compiling")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="after timing, run --profile-steps more steps of each variant under the JAX profiler, the "
                         "traces in DIR/VARIANT (TensorBoard's profile plugin opens them); the rows get each "

@@ -68,6 +68,25 @@ def test_scores_and_plot_outputs(shared_run, tmp_path, capsys):
     assert (tmp_path / "new" / "curves.png").is_file() and not (tmp_path / "new.png").exists()
 
 
+def test_a_json_path_is_checked_before_any_work(tmp_path, capsys):
+    """Every command's --json: a bad path is one line before anything runs (it was a traceback once the benchmark
+    had run, its figures lost); a missing folder is made."""
+    (tmp_path / "afile").write_text("x")
+    for argv in (["bench", "time", "--model", "tiny"], ["bench", "generate", "--model", "tiny"], ["compile"],
+                 ["check-grads", "--task", "maml"]):
+        for bad, says in ((tmp_path / "afile" / "sub" / "x.json", "is a file"), (tmp_path, "is a directory")):
+            code, out, err = _main(capsys, *argv, "--json", bad)
+            assert code == 2 and not out, out  # refused before the command's first line
+            one_line_error(err, "--json", str(bad), says)
+    out = tmp_path / "new" / "deeper" / "g.json"
+    code, printed, _ = _main(capsys, "bench", "generate", "--model", "tiny", "--prompt-len", "1", "--new-tokens", "1",
+                             "--json", out)
+    assert code == 0 and f"wrote {out}" in printed and json.loads(out.read_text())["new_tokens"] == 1
+    with pytest.raises(SystemExit):  # argparse
+        cli.main(["bench", "time", "--warmup", "-1"])
+    assert "--warmup: must be >= 0" in capsys.readouterr().err
+
+
 def test_plot_reads_a_cut_off_and_a_resumed_metrics_file(shared_run, tmp_path, capsys):
     """A run killed mid-write leaves half a line; a run resumed from an earlier checkpoint writes its steps again."""
     from metatrain.plot import _rows
