@@ -128,11 +128,20 @@ def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> d
     return {**environ, "JAX_PLATFORMS": "cpu"}
 
 
+def keep_to_cpu() -> None:
+    """JAX_PLATFORMS=cpu in this process where `cpu_env` says so (also once JAX is imported, before its backends
+    start)."""
+    env = cpu_env(os.environ)
+    if env is None:
+        return
+    os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"])
+
+
 def main() -> int:
     relaunch()
-    env = cpu_env(os.environ)
-    if env is not None:
-        os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
+    keep_to_cpu()
     try:
         from metatrain.cli import freeze_imported
         from metatrain.cli import main as cli_main

@@ -98,6 +98,13 @@ def test_a_cpu_machine_with_libtpu_runs_on_the_cpu_without_tpu_errors(tmp_path):
                          timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
     assert "TPU" not in res.stderr, res.stderr[-2000:]
+    # `python -m metatrain.cli`'s order: the package (JAX with it) imported first, then the CPU kept
+    code = ("import os, jax; from metatrain.entry import keep_to_cpu; keep_to_cpu(); "
+            "print(os.environ['JAX_PLATFORMS'], jax.devices())")
+    res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
+    assert "TPU" not in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("files,vendor,chips", [
