@@ -131,13 +131,33 @@ def gpu_memory_fraction() -> float:
     return fraction
 
 
+def check_topology(topology: str) -> str:
+    """`topology` when it is spelled as `--topology` takes it (GENERATION:AxB[xC] of a known TPU generation, sizes
+    at least 1; NAME or NAME:COUNT of a known GPU); else a ConfigError saying how to write it. Describing its
+    devices (`topology_devices`) may still fail: that needs libtpu or JAX's CUDA plugin."""
+    if topology_backend(topology) == "gpu":
+        m = re.fullmatch(r"([a-z]\d+)(?::(\d+))?", topology)
+        if not m or int(m.group(2) or 1) < 1:
+            raise ConfigError(f"--topology {topology!r}: write a GPU as NAME or NAME:COUNT (GPUs in one host), e.g. "
+                              f"h100 or h100:8")
+        return topology
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
+    if not m:
+        raise ConfigError(f"--topology {topology!r}: write it as GENERATION:AxBxC for a TPU slice, e.g. v5p:2x2x1, "
+                          f"or as {' or '.join(sorted(GPUS))} for GPUs (NAME:COUNT for several in one host)")
+    chip, dims = m.group(1), [int(d) for d in m.groups()[1:] if d is not None]
+    if chip not in HBM_GIB:
+        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)} (or a "
+                          f"GPU: {', '.join(sorted(GPUS))})")
+    if min(dims) < 1:
+        raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
+    return topology
+
+
 def _gpu_devices(topology: str):
-    m = re.fullmatch(r"([a-z]\d+)(?::(\d+))?", topology)
-    count = int(m.group(2) or 1) if m else 0
-    if count < 1:
-        raise ConfigError(f"--topology {topology!r}: write a GPU as NAME or NAME:COUNT (GPUs in one host), e.g. "
-                          f"h100 or h100:8")
-    spec, fraction = GPUS[m.group(1)], gpu_memory_fraction()
+    name, _, count = topology.partition(":")
+    count = int(count or 1)
+    spec, fraction = GPUS[name], gpu_memory_fraction()
     from jax.experimental import topologies
 
     try:
@@ -155,22 +175,15 @@ def topology_devices(topology: str):
     """(TPU devices of e.g. "v5p:2x2x1", or GPUs of e.g. "h100" or "h200:8", for ahead-of-time compilation; the
     memory a program may use per device: the chip's HBM, or the GPU's share JAX gives a process). A TPU needs
     libtpu (the tpu extra), a GPU JAX's CUDA plugin (the cuda extra); neither needs the device."""
+    check_topology(topology)
     if topology_backend(topology) == "gpu":
         return _gpu_devices(topology)
     from jax.experimental import topologies
 
     # AOT compiles touch no chip: let them run beside another JAX process that holds libtpu's lock file
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
-    if not m:
-        raise ConfigError(f"--topology {topology!r}: write it as GENERATION:AxBxC for a TPU slice, e.g. v5p:2x2x1, "
-                          f"or as {' or '.join(sorted(GPUS))} for GPUs (NAME:COUNT for several in one host)")
-    chip, dims = m.group(1), tuple(int(d) for d in m.groups()[1:] if d is not None)
-    if chip not in HBM_GIB:
-        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)} (or a "
-                          f"GPU: {', '.join(sorted(GPUS))})")
-    if min(dims) < 1:
-        raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
+    chip, shape = topology.split(":")
+    dims = tuple(int(d) for d in shape.split("x"))
     per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1))) + (1,) * (3 - len(dims))  # v5e/v6e: 2-D names
     try:
         with _libtpu_host(chip):

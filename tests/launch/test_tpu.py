@@ -161,7 +161,9 @@ def test_compile_reports_what_does_not_fit(capsys, monkeypatch, tmp_path):
 ])
 def test_a_bad_topology_is_a_one_line_error(capsys, topology, says):
     assert cli.main(["compile", "--topology", topology, "--model", "tiny"]) == 2
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    assert not out, out  # refused before the command's first line
+    err = err.strip()
     assert err.startswith("metatrain compile: error: --topology") and says in err and "\n" not in err
     assert "install the tpu extra" not in err
 

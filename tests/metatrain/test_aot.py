@@ -31,9 +31,12 @@ def _cuda_plugin_path() -> str | None:
 @pytest.mark.parametrize("topology, says", [("h100:0", "NAME:COUNT"), ("h100:two", "NAME:COUNT"),
                                             ("h300", "or as h100 or h200 for GPUs")])
 def test_a_bad_gpu_topology_is_a_one_line_error(capsys, topology, says):
-    assert cli.main(["compile", "--topology", topology, "--model", "tiny"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("metatrain compile: error: --topology") and says in err and "\n" not in err
+    """Before the command's first line (nothing is compiled, nothing described)."""
+    for argv in (["compile", "--model", "tiny"], ["bench", "memory", "--backend", "gpu"], ["bench", "fit"]):
+        assert cli.main([*argv, "--topology", topology]) == 2
+        out, err = capsys.readouterr()
+        assert not out and err.startswith(f"metatrain {argv[0]}: error: --topology") and says in err, (out, err)
+        assert "\n" not in err.strip()
 
 
 @pytest.mark.parametrize("fraction", ["1.5", "0", "most"])
