@@ -12,7 +12,9 @@ def cmd_check_grads(args) -> int:
     from metatrain import checkgrads
     from metatrain.config import load, meta_model_config
     from metatrain.errors import ConfigError
+    from metatrain.tasks import task_class
 
+    task_class(args.task)  # a task that does not load: one line before the header
     model, data = common.model(args), common.data_shapes(args)
     cfg = load(None, list(args.overrides))  # inner.lora.*, meta_model.*: as a run would take them
     cfg = dataclasses.replace(cfg, model=model)
@@ -60,11 +62,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--directions", type=common.positive_int, default=3,
                    help="random directions for finite differences")
-    p.add_argument("--eps", type=float, default=1e-2,
+    p.add_argument("--eps", type=common.positive_float, default=1e-2,
                    help="largest finite-difference step (4th-order stencil, then steps down by sqrt(10))")
-    p.add_argument("--tol-rel", type=float, default=1e-10)
-    p.add_argument("--tol-fd", type=float, default=1e-6)
-    p.add_argument("--tol-members", type=float, default=1e-12,
+    p.add_argument("--tol-rel", type=common.positive_float, default=1e-10)
+    p.add_argument("--tol-fd", type=common.positive_float, default=1e-6)
+    p.add_argument("--tol-members", type=common.positive_float, default=1e-12,
                    help="population.size=N: a population's meta-gradient vs its members' mean")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma list of meta-gradient modes, any of {', '.join(MODES)} (default: all)")

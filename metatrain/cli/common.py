@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -34,6 +35,17 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _whole(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a tolerance, a step)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def fraction(what: str, zero: bool = False):

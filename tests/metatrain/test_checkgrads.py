@@ -83,8 +83,19 @@ def test_check_fails_on_a_wrong_gradient(capsys):
 
 def test_cli_bad_task_is_a_one_line_error(capsys):
     assert cli.main(["check-grads", "--task", "nope"]) == 2
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    assert not out, out  # before the header
+    err = err.strip()
     assert err.startswith("metatrain check-grads: error: unknown task 'nope'") and "\n" not in err
+
+
+@pytest.mark.parametrize("flag, value", [("--tol-rel", "-1"), ("--tol-fd", "nan"), ("--eps", "0"),
+                                         ("--tol-members", "inf")])
+def test_a_tolerance_or_step_that_is_not_a_positive_number_is_refused(capsys, flag, value):
+    """A negative tolerance ran every variant and failed them all."""
+    with pytest.raises(SystemExit):
+        cli.main(["check-grads", flag, value])
+    assert f"argument {flag}: must be a finite number > 0, got {value}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variant, says", [("mixflow+bf16", "+bf16 does not apply"),
