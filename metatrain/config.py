@@ -366,17 +366,26 @@ def _preset_config(preset: str):
     return OmegaConf.create(text)  # read again by OmegaConf's loader: it takes `1e-3` as a number, PyYAML's does not
 
 
-def _refuse_groups(overrides) -> None:
-    """An override that gives a whole group a value (`model=1`, `inner.lora=4`) is refused, naming one of its keys."""
+def _refuse_groups(keys, where: str = "") -> None:
+    """A key given a value that names a whole group (`model=1`, `inner.lora=4`, `model: 3` in a YAML file) is
+    refused, naming one of the group's keys."""
     import typing
 
-    for override in overrides:
-        key, node = override_key(override), Config
+    for key in keys:
+        node = Config
         for part in key.split("."):
             node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
         if dataclasses.is_dataclass(node):
-            raise ConfigError(f"{key}: a group of settings, not a value; set its keys, e.g. "
+            raise ConfigError(f"{key}{where}: a group of settings, not a value; set its keys, e.g. "
                               f"{key}.{dataclasses.fields(node)[0].name}=...")
+
+
+def _leaves(node, prefix: str = "") -> list[str]:
+    """The dotted keys of a YAML mapping's values (not its groups)."""
+    out = []
+    for key, value in (node.items() if OmegaConf.is_dict(node) else ()):
+        out += _leaves(value, f"{prefix}{key}.") if OmegaConf.is_dict(value) else [prefix + str(key)]
+    return out
 
 
 def _keys(node, prefix: str = "") -> list[str]:
@@ -408,17 +417,21 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         if preset:
             preset_cfg = _preset_config(preset)
             _refuse_renamed(_keys(preset_cfg), f" in {preset}")
+            _refuse_groups(_leaves(preset_cfg), f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             try:
                 merged = OmegaConf.merge(merged, preset_cfg)
             except OmegaConfBaseException as e:
-                raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'} in {preset}: "
-                                  f"{str(e).splitlines()[0]}") from None
+                why = str(e).splitlines()[0]
+                leaf = str(getattr(e, "full_key", None) or "key").split(".")[-1]
+                if why.startswith("Incompatible value 'None'"):  # `steps:` with nothing after it: YAML's null
+                    why = f"no value; write one after the colon (`{leaf}: ...`)"
+                raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'} in {preset}: {why}") from None
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
         _refuse_renamed([override_key(o) for o in overrides])
-        _refuse_groups(overrides)
+        _refuse_groups([override_key(o) for o in overrides])
         merged = OmegaConf.merge(merged, _dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except ConfigError:
@@ -428,6 +441,8 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         why = str(e).splitlines()[0]
         if "Cannot convert 'DictConfig'" in why or "Cannot convert 'ListConfig'" in why:  # e.g. data.source=jsonl:
             why = "the value reads as YAML structure (a 'name: value' pair or a list), not text; quote or complete it"
+        elif why.startswith("Incompatible value 'None'"):  # `workdir=`: OmegaConf reads an empty value as null
+            why = f"no value after '='; give one, e.g. {key}=..." if key else "a setting is empty; give it a value"
         raise ConfigError(f"{key or 'config'}: {why}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None

@@ -119,6 +119,9 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
     (b"\xff\xfe task: maml", "preset: my.yaml is not UTF-8 text (byte 0xff at position 0)"),
     (b"nosuch: 3\n", "nosuch in my.yaml: Key 'nosuch' not in 'Config'"),
+    (b"model: 3\n", "model in my.yaml: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
+    (b"inner:\n  lora: 4\n", "inner.lora in my.yaml: a group of settings, not a value"),
+    (b"steps:\n", "steps in my.yaml: no value; write one after the colon (`steps: ...`)"),
     (None, "preset: my.yaml: no such file"),
 ])
 def test_a_bad_preset_file_is_a_one_line_error_naming_it(tmp_path, capsys, monkeypatch, content, message):
@@ -134,6 +137,8 @@ def test_a_bad_preset_file_is_a_one_line_error_naming_it(tmp_path, capsys, monke
 @pytest.mark.parametrize("override, message", [
     ("model=1", "model: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
     ("inner.lora=4", "inner.lora: a group of settings, not a value; set its keys, e.g. inner.lora.rank=..."),
+    ("workdir=", "workdir: no value after '='; give one, e.g. workdir=..."),
+    ("steps=", "steps: no value after '='; give one, e.g. steps=..."),
 ])
 def test_a_value_for_a_whole_group_names_its_keys(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
