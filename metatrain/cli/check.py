@@ -59,7 +59,7 @@ def register(sub) -> None:
     p = sub.add_parser("check-grads", help="meta-gradient of every mode/variant vs reverse-over-reverse and "
                                            "finite differences (float64); exit 1 past tolerance")
     common.add_problem_args(p, model="tiny", seq_len=8, batch=2, inner_steps=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=common.nonnegative_int, default=0)
     p.add_argument("--directions", type=common.positive_int, default=3,
                    help="random directions for finite differences")
     p.add_argument("--eps", type=common.positive_float, default=1e-2,

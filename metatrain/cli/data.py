@@ -114,14 +114,15 @@ def register(sub) -> None:
     p.add_argument("--format", default="", choices=["", "text", "chat", "prompt_completion"],
                    help="the records' format (default: read off the first record, as data.format)")
     p.add_argument("--chat-template", default="", help="a chat template file (default: the tokenizer's)")
-    p.add_argument("--max-docs", type=int, default=0, help="look at the first N documents only (0 = all)")
+    p.add_argument("--max-docs", type=common.nonnegative_int, default=0,
+                   help="look at the first N documents only (0 = all)")
     p.set_defaults(fn=cmd_data_stats)
     p = data.add_parser("bench", help="tokens/s of the full pipeline (both streams)")
     _add_data_args(p)
     p.add_argument("--seq-len", type=common.positive_int, default=1024)
     p.add_argument("--batch", type=common.positive_int, default=16)
     p.add_argument("--inner-steps", type=common.positive_int, default=2)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=common.positive_float, default=10.0)
     p.set_defaults(fn=cmd_data_bench)
     p = data.add_parser("make-noisy", help="the built-in corpus with labelled realistic defects, a clean trusted set "
                                            "and a clean held-out set (JSONL)")

@@ -170,9 +170,9 @@ def cmd_plot(args) -> int:
 def _add_distributed_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("multi-host", "explicit multi-process start (TPU VM slices and SLURM are detected)")
     g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (env METATRAIN_COORDINATOR)")
-    g.add_argument("--num-processes", type=int, default=None, help="env METATRAIN_NUM_PROCESSES")
-    g.add_argument("--process-id", type=int, default=None, help="env METATRAIN_PROCESS_ID")
-    g.add_argument("--heartbeat-timeout", type=int, default=60,
+    g.add_argument("--num-processes", type=common.positive_int, default=None, help="env METATRAIN_NUM_PROCESSES")
+    g.add_argument("--process-id", type=common.nonnegative_int, default=None, help="env METATRAIN_PROCESS_ID")
+    g.add_argument("--heartbeat-timeout", type=common.positive_int, default=60,
                    help="seconds without heartbeats after which a process counts as dead and the job stops")
 
 

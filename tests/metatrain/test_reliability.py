@@ -114,6 +114,21 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     assert not (tmp_path / "run").exists()  # refused before the run started
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--heartbeat-timeout", "0"], "argument --heartbeat-timeout: must be >= 1, got 0"),
+    (["train", "--num-processes", "-2"], "argument --num-processes: must be >= 1, got -2"),
+    (["train", "--process-id", "-1"], "argument --process-id: must be >= 0, got -1"),
+    (["data", "stats", "--max-docs", "-1"], "argument --max-docs: must be >= 0, got -1"),
+    (["data", "bench", "--seconds", "-1"], "argument --seconds: must be a finite number > 0, got -1"),
+    (["check-grads", "--seed", "-3"], "argument --seed: must be >= 0, got -3"),
+])
+def test_a_flag_below_its_range_is_refused(capsys, argv, message):
+    """Each was taken: a heartbeat timeout of 0 s, -1 documents, -1 s of benchmark ("0 tokens/s")."""
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, message", [
     (b"task: [maml\n", "preset: my.yaml is not valid YAML (line 2, column 1: expected ',' or ']'"),
     (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
