@@ -163,9 +163,21 @@ def _gpu_devices(topology: str):
     try:
         topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                             target_config=_gpu_target_config(spec))
-    except Exception as e:  # noqa: BLE001 — no CUDA plugin, or one that cannot describe a device
-        fix = ("install the cuda extra (JAX's CUDA plugin compiles without a GPU): pip install 'metatrain[cuda]'"
-               if isinstance(e, NotImplementedError) else "compile on the GPU itself (no --topology)")
+    except Exception as e:  # noqa: BLE001 — no CUDA plugin, one that did not start, or one that cannot describe it
+        import importlib.util
+
+        try:
+            installed = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+        except ModuleNotFoundError:  # no jax_plugins package at all
+            installed = False
+        if not isinstance(e, NotImplementedError):
+            fix = "compile on the GPU itself (no --topology)"
+        elif installed:  # it stops at its CUDA checks where no GPU is seen, unless JAX is kept to the CPU
+            fix = (f"JAX's CUDA plugin is installed but did not start (JAX_PLATFORMS="
+                   f"{os.environ.get('JAX_PLATFORMS', '')!r}); set JAX_PLATFORMS=cpu (compiling ahead of time needs no "
+                   f"GPU)")
+        else:
+            fix = "install the cuda extra (JAX's CUDA plugin compiles without a GPU): pip install 'metatrain[cuda]'"
         raise ConfigError(f"--topology {topology!r}: cannot describe it here ({str(e).splitlines()[0][:200]}); "
                           f"{fix}") from None
     return topo.devices, fraction * spec["memory_bytes"]

@@ -128,15 +128,18 @@ def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> d
     return {**environ, "JAX_PLATFORMS": "cpu"}
 
 
-def keep_to_cpu() -> None:
-    """JAX_PLATFORMS=cpu in this process where `cpu_env` says so (also once JAX is imported, before its backends
-    start)."""
-    env = cpu_env(os.environ)
-    if env is None:
-        return
-    os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
+def use_cpu() -> None:
+    """JAX_PLATFORMS=cpu in this process (also once JAX is imported, before its backends start) and the processes it
+    starts."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:
-        sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"])
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def keep_to_cpu() -> None:
+    """`use_cpu` where `cpu_env` says so."""
+    if cpu_env(os.environ) is not None:
+        use_cpu()
 
 
 def main() -> int:

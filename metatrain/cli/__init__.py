@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import sys
 import threading
@@ -112,6 +113,13 @@ def main(argv=None) -> int:
         unraisable = sys.unraisablehook
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
+        if (getattr(args, "topology", None) or getattr(args, "backend", "cpu") != "cpu") and \
+                "JAX_PLATFORMS" not in os.environ:
+            # ahead of time for a described TPU or GPU: no accelerator backend is needed, and JAX's CUDA plugin
+            # registers itself without a GPU only where JAX is kept to the CPU (else it stops at its CUDA checks)
+            from metatrain.entry import use_cpu
+
+            use_cpu()
         if getattr(args, "json", None):  # every command's --json: checked (its folder made) before any work
             from metatrain import paths
 

@@ -48,15 +48,41 @@ def test_a_bad_memory_fraction_is_a_one_line_error(capsys, monkeypatch, fraction
 
 
 def test_without_the_cuda_plugin_the_cuda_extra_is_named(capsys, monkeypatch):
+    import importlib.util
+
     from jax.experimental import topologies
 
     def missing(*args, **kwargs):  # what JAX raises where no CUDA plugin is installed
         raise NotImplementedError("topology not implemented for cuda")
 
+    find_spec = importlib.util.find_spec
     monkeypatch.setattr(topologies, "get_topology_desc", missing)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins.xla_cuda") else find_spec(name, *a))
     assert cli.main(["compile", "--topology", "h200", "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'metatrain[cuda]'" in err and "\n" not in err
+
+
+def test_a_cuda_plugin_that_did_not_start_is_named(capsys, monkeypatch):
+    """Installed, but stopped at its CUDA checks (JAX_PLATFORMS naming cuda on a machine without a GPU): not "install
+    the cuda extra"."""
+    import importlib.util
+
+    from jax.experimental import topologies
+
+    def missing(*args, **kwargs):  # what JAX raises where the plugin did not register itself
+        raise NotImplementedError("topology not implemented for cuda")
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(topologies, "get_topology_desc", missing)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "jax_plugins.xla_cuda12" else find_spec(name, *a))
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert cli.main(["compile", "--topology", "h200", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is installed but did not start (JAX_PLATFORMS='cuda,cpu'); set JAX_PLATFORMS=cpu" in err, err
+    assert "pip install" not in err and "\n" not in err
 
 
 def test_bench_memory_backend_and_topology_agree(capsys):
@@ -70,14 +96,18 @@ def test_bench_memory_backend_and_topology_agree(capsys):
 @pytest.mark.skipif(_cuda_plugin_path() is None,
                     reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin")
 def test_compile_for_two_gpus_without_one(tmp_path):
-    """FSDP over two H100s, compiled in a process of its own with the plugin: each holds half the state; the peak is
-    arguments + outputs - aliased + temp, against the memory JAX's allocator gives a process (here 0.95 of it)."""
+    """FSDP over two H100s, compiled in a process of its own with the plugin, JAX_PLATFORMS unset as a user runs it
+    (the plugin stops at its CUDA checks on a machine without a GPU unless the command keeps JAX to the CPU): each
+    holds half the state; the peak is arguments + outputs - aliased + temp, against the memory JAX's allocator gives
+    a process (here 0.95 of it)."""
     out = tmp_path / "compile.json"
     e = env(XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
     e["PYTHONPATH"] = os.pathsep.join(p for p in (_cuda_plugin_path(), e["PYTHONPATH"]) if p)
+    del e["JAX_PLATFORMS"]
     res = subprocess.run([sys.executable, "-m", "metatrain.cli", "compile", "--topology", "h100:2", "--model", "tiny",
                           "--seq-len", "16", "--batch", "4", "--json", str(out)], capture_output=True, text=True, env=e)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "plugin configuration error" not in res.stderr, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["backend"] == "gpu" and r["devices"] == 2 and r["mesh"] == {"data": 1, "fsdp": 2} and r["exact"]
     assert r["device"] == aot.GPUS["h100"]["name"]
