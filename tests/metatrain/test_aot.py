@@ -25,7 +25,11 @@ def _cuda_plugin_path() -> str | None:
     except ModuleNotFoundError:  # no jax_plugins package at all
         pass
     folder = ROOT / ".cuda_plugin"
-    return str(folder) if (folder / "jax_plugins").is_dir() else None
+    import jaxlib
+
+    # a folder left by another venv: JAX refuses a plugin of another jaxlib version (and may crash on it)
+    built = [d.name.removesuffix(".dist-info").split("-")[1] for d in folder.glob("jax_cuda1*_plugin-*.dist-info")]
+    return str(folder) if (folder / "jax_plugins").is_dir() and jaxlib.__version__ in built else None
 
 
 @pytest.mark.parametrize("topology, says", [("h100:0", "NAME:COUNT"), ("h100:two", "NAME:COUNT"),
@@ -94,7 +98,8 @@ def test_bench_memory_backend_and_topology_agree(capsys):
 
 @pytest.mark.slow  # XLA's GPU compiler: about 20 CPU s for the tiny outer step (its fusion search, ptxas)
 @pytest.mark.skipif(_cuda_plugin_path() is None,
-                    reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin")
+                    reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin "
+                           "at this jaxlib's version")
 def test_compile_for_two_gpus_without_one(tmp_path):
     """FSDP over two H100s, compiled in a process of its own with the plugin, JAX_PLATFORMS unset as a user runs it
     (the plugin stops at its CUDA checks on a machine without a GPU unless the command keeps JAX to the CPU): each
