@@ -130,10 +130,14 @@ def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> d
 
 def use_cpu() -> None:
     """JAX_PLATFORMS=cpu in this process (also once JAX is imported, before its backends start) and the processes it
-    starts."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    starts; nothing once JAX's backends have started (the platforms are chosen then)."""
     if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return
         sys.modules["jax"].config.update("jax_platforms", "cpu")
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def keep_to_cpu() -> None:
