@@ -25,6 +25,8 @@ import importlib.util
 import os
 import sys
 
+from metatrain.platforms import use_cpu
+
 TUNABLE = "glibc.malloc.hugetlb"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 SYSTEM = "system"  # hugepage_env's and cpu_env's default: this machine's
@@ -126,18 +128,6 @@ def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> d
     if _other_plugins() if other_plugins == SYSTEM else other_plugins:
         return None
     return {**environ, "JAX_PLATFORMS": "cpu"}
-
-
-def use_cpu() -> None:
-    """JAX_PLATFORMS=cpu in this process (also once JAX is imported, before its backends start) and the processes it
-    starts; nothing once JAX's backends have started (the platforms are chosen then)."""
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            return
-        sys.modules["jax"].config.update("jax_platforms", "cpu")
-    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def keep_to_cpu() -> None:

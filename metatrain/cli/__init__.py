@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from metatrain import platforms
 from metatrain.cli import bench, check, data, experiment, generate, run
 from metatrain.errors import MetatrainError
 
@@ -114,12 +115,10 @@ def main(argv=None) -> int:
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
         if (getattr(args, "topology", None) or getattr(args, "backend", "cpu") != "cpu") and \
-                "JAX_PLATFORMS" not in os.environ:
+                "JAX_PLATFORMS" not in os.environ and not platforms.backends_started():
             # ahead of time for a described TPU or GPU: no accelerator backend is needed, and JAX's CUDA plugin
             # registers itself without a GPU only where JAX is kept to the CPU (else it stops at its CUDA checks)
-            from metatrain.entry import use_cpu
-
-            use_cpu()
+            platforms.use_cpu()
         if getattr(args, "json", None):  # every command's --json: checked (its folder made) before any work
             from metatrain import paths
 
