@@ -357,7 +357,8 @@ def test_tpu_peak_is_the_figure_the_compiler_holds_to_the_hbm(tmp_path):
     mib = lambda b: int(b / 2**20)
     limit = (mib(m["peak_bytes"]) + mib(m["temp_sum_bytes"])) // 2
     between = lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": limit})
-    assert compiled_memory(between)["peak_bytes"] == m["peak_bytes"]
+    # the same figure: libtpu 0.0.48 (jax 0.11) lays the program out again under the limit, 512 bytes apart
+    assert compiled_memory(between)["peak_bytes"] == pytest.approx(m["peak_bytes"], rel=1e-5)
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
         lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": mib(0.9 * m["peak_bytes"])})
     assert required_bytes(refused.value) == pytest.approx(m["peak_bytes"], rel=0.01)
