@@ -62,8 +62,28 @@ def top_ops(data, steps: int, n: int = 15) -> dict:
     return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows}
 
 
-def trace(call, steps: int, directory: str) -> dict:
-    """Run `call()` `steps` times under the profiler, the trace in `directory`; its `top_ops` summary."""
+# an instruction of an HLO module's text: `  [ROOT ]%name = SHAPE opcode(...), ..., metadata={op_name="..." ...}`
+INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
+
+
+def hlo_ops(hlo_text: str) -> dict[str, dict]:
+    """{instruction name: {"shape", "opcode", "source"}} of a compiled module's HLO text (`compiled.as_text()`),
+    every computation's; `source` is the JAX operation it came from (its `op_name` metadata), "" without one; a
+    shape or source longer than 300 characters is cut (a loop's tuple: its start; a source: its end)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = INSTRUCTION.match(line)
+        if m:
+            source = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = {"shape": m.group(2)[:300], "opcode": m.group(3),
+                               "source": source.group(1)[-300:] if source else ""}
+    return out
+
+
+def trace(call, steps: int, directory: str, hlo_text: str | None = None) -> dict:
+    """Run `call()` `steps` times under the profiler, the trace in `directory`; its `top_ops` summary. With the
+    compiled program's `hlo_text`, it is kept beside the trace (`program.hlo.txt`) and each top op gets its shape,
+    opcode and the JAX operation it came from (`hlo_ops`)."""
     import jax
 
     os.makedirs(directory, exist_ok=True)
@@ -71,7 +91,14 @@ def trace(call, steps: int, directory: str) -> dict:
         for _ in range(steps):
             call()
     paths = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    return {"trace": paths[-1], **top_ops(jax.profiler.ProfileData.from_file(paths[-1]), steps)}
+    summary = {"trace": paths[-1], **top_ops(jax.profiler.ProfileData.from_file(paths[-1]), steps)}
+    if hlo_text is not None:
+        with open(os.path.join(directory, "program.hlo.txt"), "w") as f:
+            f.write(hlo_text)
+        described = hlo_ops(hlo_text)
+        summary["program"] = f.name
+        summary["top_ops"] = [{**o, **described.get(o["op"], {})} for o in summary["top_ops"]]
+    return summary
 
 
 def file_name(text: str) -> str:

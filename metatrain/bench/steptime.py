@@ -83,7 +83,8 @@ def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int
         from metatrain.bench import profile
 
         for n in progress(names, desc="profiling"):
-            profiles[n] = profile.trace(calls[n], profile_steps, os.path.join(profile_dir, profile.file_name(n)))
+            profiles[n] = profile.trace(calls[n], profile_steps, os.path.join(profile_dir, profile.file_name(n)),
+                                        hlo_text=calls[n].compiled.as_text())
     rows, place = [], where()
     for n in names:
         ratios = [b / t for b, t in zip(times[baseline], times[n])]

@@ -33,6 +33,10 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
         assert p["steps"] == 2 and p["trace"].startswith(str(tmp_path / "prof" / name.replace("+", "_")))
         assert 0 < sum(o["share"] for o in p["top_ops"]) <= 1 + 1e-9 and p["top_ops"][0]["ms_per_step"] > 0
         assert {o["module"] for o in p["top_ops"]} == {"jit_outer_step"}
+        # each top op found in the compiled program kept beside the trace: its shape and the JAX op it came from
+        assert open(p["program"]).read().startswith("HloModule jit_outer_step")
+        assert all(o["opcode"] and o["shape"] for o in p["top_ops"]), p["top_ops"]
+        assert any(o["source"].startswith("jit(outer_step)/") for o in p["top_ops"]), p["top_ops"]
     assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save",
                      "--json", str(mem)]) == 0
     peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}

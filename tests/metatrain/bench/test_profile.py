@@ -52,3 +52,18 @@ def test_host_threads_without_device_ops():
 def test_file_names_keep_letters_digits_dot_underscore_dash():
     assert profile.file_name("mixflow+remat+save") == "mixflow_remat_save"
     assert profile.file_name("a-b_c.d/e f") == "a-b_c.d_e_f"
+
+
+def test_ops_of_a_compiled_programs_text():
+    """Every computation's instructions, with the JAX operation each came from; a loop's tuple shape cut."""
+    x = jax.ShapeDtypeStruct((8, 8), jax.numpy.float32)
+
+    def f(a):
+        return jax.lax.fori_loop(0, 3, lambda i, c: jax.numpy.sin(c) @ c, a).sum()
+
+    text = jax.jit(f).lower(x).compile().as_text()
+    ops = profile.hlo_ops(text)
+    whiles = [o for o in ops.values() if o["opcode"] == "while"]
+    assert len(whiles) == 1 and whiles[0]["shape"].startswith("(s32[], f32[8,8]") and len(whiles[0]["shape"]) <= 300
+    dots = [o for o in ops.values() if o["opcode"] == "dot"]  # inside the loop's body
+    assert dots and all(o["shape"].startswith("f32[8,8]") and o["source"].endswith("dot_general") for o in dots)
