@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU measurements in one run, on one NVIDIA GPU (H100 or H200): step time of autodiff+remat against
-# mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler), then each side's
-# measured peak beside its compiled one, one process per model size and variant, then what fills each side's
-# compiled peak at the speed size (XLA's buffer assignment), and the same compiled for a described GPU of its kind
-# without the device (`--topology h100|h200`). MAML, B=4, S=2048, T=2, float32.
+# The GPU measurements in one run, on one NVIDIA GPU (H100 or H200), the most telling first: step time of
+# autodiff+remat against mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler;
+# each op's shape and JAX source, the compiled programs beside the traces), the same with cuBLAS instead of
+# Triton for the matrix products, what fills each side's compiled peak at 44m (XLA's buffer assignment) and the
+# same compiled for a described GPU of its kind without the device (`--topology h100|h200`), then each side's
+# measured peak beside its compiled one, one process per model size and variant. MAML, B=4, S=2048, T=2, float32.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
 #
@@ -13,8 +14,11 @@
 # `scripts/gpu_wheels.sh` downloads them for Python 3.12, with a wheel of this checkout) and the script installs
 # them and this checkout (that wheel where the machine has no setuptools) with --no-deps into a folder of its own,
 # over the machine's own jax.
-# Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), PEAK_TIMEOUT (150 s),
-# BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
+# The whole run stays within GPU_BENCH_BUDGET seconds (540: a 10-minute window with the start): each step gets at
+# most what is left, and one that would get under 20 s is skipped.
+# Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), SPEED_TIMEOUT (240 s), PEAK_TIMEOUT
+# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (540 s), GPU_BENCH_INSTALL=1 (install even where everything
+# imports). A CPU dry run:
 #   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
 set -uo pipefail
 repo=$(realpath "$(dirname "$0")/..")
@@ -38,7 +42,6 @@ if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, ti
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-bench() { python -m metatrain.cli bench "$@"; }
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
@@ -49,31 +52,46 @@ log "machine: $(tail -1 "$out/machine.txt")"
 
 problem=(--task maml --seq-len "${SEQ:-2048}" --batch "${BATCH:-4}" --inner-steps 2)
 speed=${SPEED_MODEL:-44m}
-log "step time at $speed: 7 interleaved rounds, then 3 profiled steps per variant"
-bench time "${problem[@]}" --model "$speed" --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat \
-  --rounds 7 --profile "$out/profile_$speed" --profile-steps 3 --json "$out/time_$speed.json" \
-  >> "$out/gpu_bench.log" 2>&1 || log "time_$speed: exit $?"
+# every step runs under the time left of the budget (GPU_BENCH_BUDGET seconds from the start, install included), the
+# most telling first: a step that would get less than 20 s is skipped, and what is done is in OUT either way
+budget=${GPU_BENCH_BUDGET:-540}
+limit() {  # seconds a step may take: its own limit, or what is left of the budget
+  local left=$((budget - (SECONDS - start)))
+  [ "$left" -lt 20 ] && return 1
+  echo $(("$1" < left ? "$1" : left))
+}
+step() {  # step NAME LIMIT COMMAND...: run it under its limit, log how it ended
+  local name=$1 t
+  t=$(limit "$2") || { log "$name: skipped (${budget} s budget spent)"; return; }
+  shift 2
+  log "$name (at most $t s)"
+  timeout "$t" "$@" >> "$out/gpu_bench.log" 2>&1 || log "$name: exit $? (124: out of time; else see the log)"
+}
+variants=(--variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat)
+gpu=$(python -c "import jax; print('h200' if 'H200' in jax.devices()[0].device_kind else 'h100')" 2>/dev/null || echo h100)
 
+step "time_$speed: step time, 7 interleaved rounds, then 3 profiled steps per variant" "${SPEED_TIMEOUT:-240}" \
+  python -m metatrain.cli bench time "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 7 \
+  --profile "$out/profile_$speed" --profile-steps 3 --json "$out/time_$speed.json"
+# the same with cuBLAS for the matrix products instead of XLA's Triton GEMM fusions: a lever on the step time
+step "time_${speed}_cublas: the same, 5 rounds, --xla_gpu_enable_triton_gemm=false" "${SPEED_TIMEOUT:-240}" \
+  env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" python -m metatrain.cli bench time \
+  "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 5 --json "$out/time_${speed}_cublas.json"
+# what fills each side's compiled peak at the speed size, from XLA's buffer assignment, then the same two programs
+# compiled for a described GPU of this kind (--topology: JAX's CUDA plugin without the device, as on a machine
+# without a GPU): equal peaks mean that ahead-of-time GPU figures hold here
+step "breakdown_$speed: each side's compiled peak by buffer" "${BREAKDOWN_TIMEOUT:-120}" \
+  python -m metatrain.cli bench memory "${problem[@]}" --model "$speed" "${variants[@]}" --breakdown \
+  --json "$out/breakdown_$speed.json"
+step "aot_${gpu}_$speed: the same compiled for a described $gpu" "${BREAKDOWN_TIMEOUT:-120}" \
+  python -m metatrain.cli bench memory --backend gpu --topology "$gpu" "${problem[@]}" --model "$speed" \
+  "${variants[@]}" --breakdown --json "$out/aot_${gpu}_$speed.json"
 for size in ${PEAK_SIZES:-44m 489m 1b}; do
   for variant in autodiff+remat mixflow+remat+save; do
     name="peak_${size}_${variant//+/_}"
-    log "$name: one process, 3 steps"
-    timeout "${PEAK_TIMEOUT:-150}" python -m metatrain.cli bench time "${problem[@]}" --model "$size" \
-      --variants "$variant" --baseline "$variant" --rounds 2 --warmup 1 --json "$out/$name.json" \
-      >> "$out/gpu_bench.log" 2>&1 || log "$name: exit $? (out of memory or out of time: see the log)"
+    step "$name: measured peak, one process, 3 steps" "${PEAK_TIMEOUT:-150}" \
+      python -m metatrain.cli bench time "${problem[@]}" --model "$size" --variants "$variant" --baseline "$variant" \
+      --rounds 2 --warmup 1 --json "$out/$name.json"
   done
 done
-# what fills each side's compiled peak at the speed size, from XLA's buffer assignment (arguments, parameter-sized
-# buffers, the rest), for why autodiff+remat takes more on the GPU than on a TPU chip
-log "buffers at $speed: each side's compiled peak by buffer (bench memory --breakdown)"
-timeout "${BREAKDOWN_TIMEOUT:-120}" python -m metatrain.cli bench memory "${problem[@]}" --model "$speed" \
-  --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat --breakdown \
-  --json "$out/breakdown_$speed.json" >> "$out/gpu_bench.log" 2>&1 || log "breakdown_$speed: exit $?"
-# the same two programs compiled for a described GPU of this kind (--topology: JAX's CUDA plugin without the device,
-# as on a machine without a GPU): peaks equal to the breakdown's above mean that ahead-of-time GPU figures hold here
-gpu=$(python -c "import jax; print('h200' if 'H200' in jax.devices()[0].device_kind else 'h100')" 2>/dev/null || echo h100)
-log "buffers at $speed compiled for a described $gpu (bench memory --backend gpu --topology $gpu)"
-timeout "${BREAKDOWN_TIMEOUT:-120}" python -m metatrain.cli bench memory --backend gpu --topology "$gpu" "${problem[@]}" \
-  --model "$speed" --variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat --breakdown \
-  --json "$out/aot_${gpu}_$speed.json" >> "$out/gpu_bench.log" 2>&1 || log "aot_${gpu}_$speed: exit $?"
 log "done: $(ls "$out" | tr '\n' ' ')"
