@@ -224,3 +224,12 @@ def test_the_gpu_scripts_import_check_names_modules_that_exist():
     assert "metatrain" in names and len(names) > 3
     for name in names:
         importlib.import_module(name)
+
+
+def test_the_bench_commands_import_no_matplotlib():
+    """matplotlib is imported where a plot is drawn: `bench time`, `bench memory` and `compile` run without it (a GPU
+    machine without network may lack it)."""
+    code = ("import sys, metatrain.cli, metatrain.bench.report, metatrain.bench.memory, metatrain.bench.steptime, "
+            "metatrain.bench.compile; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))")
+    res = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr[-3000:]

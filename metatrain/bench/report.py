@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 from metatrain.aot import GiB
 from metatrain.unroll import kept_states
@@ -117,8 +113,19 @@ def _nan(x):
     return float("nan") if x is None else x
 
 
+def _pyplot():
+    """matplotlib's pyplot, without a display; imported only for a plot (a table needs none)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot(rows: list[dict], grid: str, baseline: str, path: str) -> str:
     """Ladder: ratios vs parameter count. Layers: memory and ratios vs depth. Tasks/ablation: peak per variant."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     others = [v for v in variants if v != baseline]
@@ -171,6 +178,7 @@ def timeline_plot(rows: list[dict], path: str) -> str:
     rows = [r for r in rows if r.get("timeline")]
     if not rows:
         raise ValueError("no row has a timeline: compile with --timeline")
+    plt = _pyplot()
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.6 * len(rows)), sharex=True, squeeze=False)
     top = max(max(r["timeline"]["live_bytes"]) for r in rows) / GiB
     for ax, r in zip(axes[:, 0], rows):
