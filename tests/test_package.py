@@ -220,7 +220,7 @@ def test_the_gpu_scripts_import_check_names_modules_that_exist():
     import importlib
 
     script = (ROOT / "scripts" / "gpu_bench.sh").read_text()
-    names = re.search(r'python -c "import ([\w., ]+)"', script).group(1).split(", ")
+    names = re.search(r'-c "import ([\w., ]+)"', script).group(1).split(", ")
     assert "metatrain" in names and len(names) > 3
     for name in names:
         importlib.import_module(name)
