@@ -14,10 +14,10 @@
 # `scripts/gpu_wheels.sh` downloads them for Python 3.12, with a wheel of this checkout) and the script installs
 # them and this checkout (that wheel where the machine has no setuptools) with --no-deps into a folder of its own,
 # over the machine's own jax.
-# The whole run stays within GPU_BENCH_BUDGET seconds (540: a 10-minute window with the start): each step gets at
+# The whole run stays within GPU_BENCH_BUDGET seconds (480: 8 minutes, install included): each step gets at
 # most what is left, and one that would get under 20 s is skipped.
 # Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), SPEED_TIMEOUT (240 s), PEAK_TIMEOUT
-# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (540 s), PYTHON (python3, else python), GPU_BENCH_INSTALL=1
+# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (480 s), PYTHON (python3, else python), GPU_BENCH_INSTALL=1
 # (install even where everything imports). A CPU dry run:
 #   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
 set -uo pipefail
@@ -55,7 +55,7 @@ problem=(--task maml --seq-len "${SEQ:-2048}" --batch "${BATCH:-4}" --inner-step
 speed=${SPEED_MODEL:-44m}
 # every step runs under the time left of the budget (GPU_BENCH_BUDGET seconds from the start, install included), the
 # most telling first: a step that would get less than 20 s is skipped, and what is done is in OUT either way
-budget=${GPU_BENCH_BUDGET:-540}
+budget=${GPU_BENCH_BUDGET:-480}
 limit() {  # seconds a step may take: its own limit, or what is left of the budget
   local left=$((budget - (SECONDS - start)))
   [ "$left" -lt 20 ] && return 1
