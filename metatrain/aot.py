@@ -154,6 +154,16 @@ def check_topology(topology: str) -> str:
     return topology
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether this Python finds JAX's CUDA plugin (CUDA 12's or 13's), started or not."""
+    import importlib.util
+
+    try:
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def _gpu_devices(topology: str):
     name, _, count = topology.partition(":")
     count = int(count or 1)
@@ -164,15 +174,9 @@ def _gpu_devices(topology: str):
         topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                             target_config=_gpu_target_config(spec))
     except Exception as e:  # noqa: BLE001 — no CUDA plugin, one that did not start, or one that cannot describe it
-        import importlib.util
-
-        try:
-            installed = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
-        except ModuleNotFoundError:  # no jax_plugins package at all
-            installed = False
         if not isinstance(e, NotImplementedError):
             fix = "compile on the GPU itself (no --topology)"
-        elif installed:  # it stops at its CUDA checks where no GPU is seen, unless JAX is kept to the CPU
+        elif cuda_plugin_installed():  # it stops at its CUDA checks where no GPU is seen, unless JAX is kept to the CPU
             fix = (f"JAX's CUDA plugin is installed but did not start (JAX_PLATFORMS="
                    f"{os.environ.get('JAX_PLATFORMS', '')!r}); set JAX_PLATFORMS=cpu (compiling ahead of time needs no "
                    f"GPU)")

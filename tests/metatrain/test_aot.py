@@ -1,7 +1,6 @@
 """Compiling for NVIDIA GPUs without one (JAX's CUDA plugin, the cuda extra): the topologies, the memory a process
 gets, and what is said where the plugin is missing."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,11 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cuda_plugin_path() -> str | None:
     """Where JAX's CUDA plugin imports from: "" where it is installed here, the checkout's .cuda_plugin folder where
     CI put it (.ci/run), else None."""
-    try:
-        if any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
-            return ""
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        pass
+    if aot.cuda_plugin_installed():
+        return ""
     folder = ROOT / ".cuda_plugin"
     import jaxlib
 
@@ -52,17 +48,13 @@ def test_a_bad_memory_fraction_is_a_one_line_error(capsys, monkeypatch, fraction
 
 
 def test_without_the_cuda_plugin_the_cuda_extra_is_named(capsys, monkeypatch):
-    import importlib.util
-
     from jax.experimental import topologies
 
     def missing(*args, **kwargs):  # what JAX raises where no CUDA plugin is installed
         raise NotImplementedError("topology not implemented for cuda")
 
-    find_spec = importlib.util.find_spec
     monkeypatch.setattr(topologies, "get_topology_desc", missing)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("jax_plugins.xla_cuda") else find_spec(name, *a))
+    monkeypatch.setattr(aot, "cuda_plugin_installed", lambda: False)
     assert cli.main(["compile", "--topology", "h200", "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'metatrain[cuda]'" in err and "\n" not in err
@@ -71,17 +63,13 @@ def test_without_the_cuda_plugin_the_cuda_extra_is_named(capsys, monkeypatch):
 def test_a_cuda_plugin_that_did_not_start_is_named(capsys, monkeypatch):
     """Installed, but stopped at its CUDA checks (JAX_PLATFORMS naming cuda on a machine without a GPU): not "install
     the cuda extra"."""
-    import importlib.util
-
     from jax.experimental import topologies
 
     def missing(*args, **kwargs):  # what JAX raises where the plugin did not register itself
         raise NotImplementedError("topology not implemented for cuda")
 
-    find_spec = importlib.util.find_spec
     monkeypatch.setattr(topologies, "get_topology_desc", missing)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "jax_plugins.xla_cuda12" else find_spec(name, *a))
+    monkeypatch.setattr(aot, "cuda_plugin_installed", lambda: True)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert cli.main(["compile", "--topology", "h200", "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
