@@ -10,8 +10,9 @@ the median time. Only the timed call itself is measured (`block_until_ready`).
 Each row also says where it ran (the device, jax/jaxlib/flax versions) and, where the device keeps memory
 statistics (GPU, TPU), the process's measured peak (`process_peak_bytes`: the highest the device held since the
 process started, over every variant run so far; with one variant per process it is that variant's, also given as
-`measured_peak_bytes`) beside the compiled program's (`peak_bytes`). With `profile_dir`, a few more calls of each
-variant run under the JAX profiler and the row gets their top ops (`bench.profile`).
+`measured_peak_bytes`, with `peak_before_steps_bytes`, the highest before its first step: initialising the state
+and compiling, GPU autotuning included) beside the compiled program's (`peak_bytes`). With `profile_dir`, a few
+more calls of each variant run under the JAX profiler and the row gets their top ops (`bench.profile`).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int
     names = [v.name for v in variant_list]
     if baseline not in names:
         raise ConfigError(f"--baseline {baseline} is not among the variants {names}")
-    calls, compile_s = {}, {}
+    calls, compile_s, before_steps = {}, {}, {}
     for v in progress(variant_list, desc="compiling and warming up"):
         tic = time.perf_counter()
         calls[v.name] = _Runner(cfg, v, seed)
+        before_steps[v.name] = device_peak_bytes()  # initialising the state and compiling, before any step
         for _ in range(warmup):
             calls[v.name]()
         compile_s[v.name] = time.perf_counter() - tic
@@ -89,7 +91,7 @@ def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int
     for n in names:
         ratios = [b / t for b, t in zip(times[baseline], times[n])]
         measured = {} if peak is None else {"process_peak_bytes": peak, **(
-            {"measured_peak_bytes": peak} if len(names) == 1 else {})}
+            {"measured_peak_bytes": peak, "peak_before_steps_bytes": before_steps[n]} if len(names) == 1 else {})}
         rows.append({"variant": n, "task": cfg.task, "backend": jax.default_backend(), **place,
                      "n_layers": cfg.model.n_layers,
                      "d_model": cfg.model.d_model, "seq_len": cfg.data.seq_len, "batch": cfg.data.batch,

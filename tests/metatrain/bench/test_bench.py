@@ -46,6 +46,31 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     assert peaks["autodiff+remat"] != peaks["mixflow+remat+save"]
 
 
+def test_one_variant_per_process_gives_the_peak_before_its_first_step(monkeypatch):
+    """Where the device keeps memory statistics (here a stand-in: a CPU keeps none), a variant measured alone gets
+    the process's peak before its first step (state initialised, program compiled: a GPU's autotuning included)
+    beside the peak after its steps."""
+    from metatrain.bench import steptime
+    from metatrain.bench.variants import run_config
+
+    class Runner:  # the compiled step, stood in: each call is one outer step
+        def __init__(self, cfg, variant, seed):
+            self.state, self.compiled = {"step": 0}, None
+
+        def __call__(self):
+            self.state["step"] += 1
+
+    peaks = iter([100, 250])  # read after compiling, then after the timed rounds
+    monkeypatch.setattr(steptime, "_Runner", Runner)
+    monkeypatch.setattr(steptime, "device_peak_bytes", lambda: next(peaks))
+    monkeypatch.setattr(steptime, "compiled_memory", lambda compiled: {"peak_bytes": 200})
+    variant = parse_variant("mixflow+remat+save")
+    (row,) = steptime.measure(run_config("maml", models.preset("tiny"), 16, 2, 2, variant=variant), [variant],
+                              "mixflow+remat+save", rounds=2, warmup=1)
+    assert (row["peak_before_steps_bytes"], row["measured_peak_bytes"], row["process_peak_bytes"]) == (100, 250, 250)
+    assert row["peak_bytes"] == 200 and row["steps_run"] == 3
+
+
 def test_bench_time_bad_variants_and_baseline(capsys):
     from metatrain.bench import steptime
 
