@@ -34,6 +34,13 @@ def prefixed(spec: str | None, prefixes: tuple[str, ...], bare: bool = False) ->
     return local(spec) if bare else spec
 
 
+def _nearest_existing(folder: str) -> str:
+    """`folder`, or the nearest folder above it that exists ("" where none does)."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def output_file(path: str, flag: str) -> str:
     """A file a command will write, checked before any work: absolute, not a directory, in a folder that can be
     made and written; its folder is made."""
@@ -42,9 +49,7 @@ def output_file(path: str, flag: str) -> str:
     path = local(path)
     if os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a directory; give the path of a file to write")
-    above = os.path.dirname(path)
-    while above and not os.path.exists(above):
-        above = os.path.dirname(above)
+    above = _nearest_existing(os.path.dirname(path))
     if above and not os.path.isdir(above):
         raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be written; give another path")
     if above and not os.access(above, os.W_OK | os.X_OK):
@@ -84,9 +89,7 @@ def output(path: str, flag: str, *, directory: bool = False, inputs=(), overwrit
         if given and not is_remote(str(given)) and os.path.exists(given) and os.path.exists(path) and _same(
                 path, given):
             raise ConfigError(f"{flag}: {path} is one of the command's inputs; give a new path")
-    above = os.path.dirname(path)
-    while above and not os.path.exists(above):
-        above = os.path.dirname(above)
+    above = _nearest_existing(os.path.dirname(path))
     if above and not os.path.isdir(above):
         raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be made; give another path")
     if directory and os.path.exists(path) and not os.path.isdir(path):
