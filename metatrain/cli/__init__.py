@@ -114,6 +114,10 @@ def main(argv=None) -> int:
         unraisable = sys.unraisablehook
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
+        if getattr(args, "topology", None):  # every command's --topology: its spelling, before the command's first line
+            from metatrain.aot import check_topology
+
+            check_topology(args.topology)
         if (getattr(args, "topology", None) or getattr(args, "backend", "cpu") != "cpu") and \
                 "JAX_PLATFORMS" not in os.environ and not platforms.backends_started():
             # ahead of time for a described TPU or GPU: no accelerator backend is needed, and JAX's CUDA plugin

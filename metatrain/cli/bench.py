@@ -20,13 +20,13 @@ def cmd_bench_memory(args) -> int:
     import jax
 
     from metatrain import models
-    from metatrain.aot import check_topology, topology_backend
+    from metatrain.aot import topology_backend
     from metatrain.bench import memory, report
     from metatrain.bench.variants import run_config, variants
 
     if args.resume and not args.json:
         raise ConfigError("--resume keeps the rows of the --json file: give --json PATH too")
-    topology = args.topology and check_topology(args.topology) or {"tpu": "v5p:1x1x1", "gpu": "h100"}.get(args.backend)
+    topology = args.topology or {"tpu": "v5p:1x1x1", "gpu": "h100"}.get(args.backend)
     if topology and topology_backend(topology) != args.backend:
         want = topology_backend(topology)
         raise ConfigError(f"--topology {topology} is for --backend {want} ({want.upper()} ahead of time); drop it or "
@@ -102,11 +102,9 @@ def cmd_bench_time(args) -> int:
 
 
 def cmd_bench_fit(args) -> int:
-    from metatrain.aot import check_topology
     from metatrain.bench.largest_fit import FIT_MARGIN, largest_fitting
     from metatrain.models import ModelConfig
 
-    check_topology(args.topology)
     cfg = _config(args, ModelConfig(), [*TPU_MESH, *args.overrides])
     ladder = [m.strip() for m in args.models.split(",")] if args.models else None
     chosen = common.variants(args, args.variants)
@@ -131,11 +129,9 @@ def cmd_bench_fit(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from metatrain.aot import GiB, check_topology, gpu_memory_fraction
+    from metatrain.aot import GiB, gpu_memory_fraction
     from metatrain.bench.compile import compile_report
 
-    if args.topology:
-        check_topology(args.topology)
     model = common.model(args, remat=not args.no_remat)
     cfg = _config(args, model, [f"metagrad.mode={args.mode}", f"metagrad.kept_states={args.kept_states}",
                                 f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides])
