@@ -422,11 +422,10 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
             try:
                 merged = OmegaConf.merge(merged, preset_cfg)
             except OmegaConfBaseException as e:
-                why = str(e).splitlines()[0]
-                leaf = str(getattr(e, "full_key", None) or "key").split(".")[-1]
+                key, why = getattr(e, "full_key", None) or "config", str(e).splitlines()[0]
                 if why.startswith("Incompatible value 'None'"):  # `steps:` with nothing after it: YAML's null
-                    why = f"no value; write one after the colon (`{leaf}: ...`)"
-                raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'} in {preset}: {why}") from None
+                    why = f"no value; write one after the colon (`{key.split('.')[-1]}: ...`)"
+                raise ConfigError(f"{key} in {preset}: {why}") from None
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
