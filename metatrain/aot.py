@@ -154,6 +154,26 @@ def check_topology(topology: str) -> str:
     return topology
 
 
+def libtpu_installed() -> bool:
+    """Whether this Python finds libtpu (the tpu extra), started or not."""
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+# The extra that brings each backend's ahead-of-time compiler (neither needs the device).
+EXTRAS = {"tpu": "libtpu (it compiles without a TPU): pip install 'metatrain[tpu]'",
+          "gpu": "JAX's CUDA plugin (it compiles without a GPU): pip install 'metatrain[cuda]'"}
+
+
+def check_compiler(backend: str, what: str) -> None:
+    """A ConfigError saying which extra to install where this Python lacks the compiler for `backend` ("tpu" or
+    "gpu"), which `what` (e.g. "--topology 'h100'") asks for; nothing where it has it, or for "cpu"."""
+    have = {"tpu": libtpu_installed, "gpu": cuda_plugin_installed}.get(backend)
+    if have is not None and not have():
+        raise ConfigError(f"{what}: compiling for a {backend.upper()} needs {EXTRAS[backend]}")
+
+
 def cuda_plugin_installed() -> bool:
     """Whether this Python finds JAX's CUDA plugin (CUDA 12's or 13's), started or not."""
     import importlib.util
@@ -181,7 +201,7 @@ def _gpu_devices(topology: str):
                    f"{os.environ.get('JAX_PLATFORMS', '')!r}); set JAX_PLATFORMS=cpu (compiling ahead of time needs no "
                    f"GPU)")
         else:
-            fix = "install the cuda extra (JAX's CUDA plugin compiles without a GPU): pip install 'metatrain[cuda]'"
+            fix = f"install {EXTRAS['gpu']}"
         raise ConfigError(f"--topology {topology!r}: cannot describe it here ({str(e).splitlines()[0][:200]}); "
                           f"{fix}") from None
     return topo.devices, fraction * spec["memory_bytes"]
@@ -206,10 +226,7 @@ def topology_devices(topology: str):
             topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
                                                 chips_per_host_bounds=per_host, num_slices=1)
     except Exception as e:  # noqa: BLE001 — no libtpu, or a shape the compiler does not know
-        import importlib.util
-
-        fix = ("install the tpu extra: pip install -e '.[tpu]'" if importlib.util.find_spec("libtpu") is None
-               else f"give a slice shape that {chip} comes in")
+        fix = f"install {EXTRAS['tpu']}" if not libtpu_installed() else f"give a slice shape that {chip} comes in"
         raise ConfigError(f"--topology {topology!r}: cannot describe it here ({str(e).splitlines()[0][:200]}); "
                           f"{fix}") from None
     return topo.devices, HBM_GIB[chip] * GiB

@@ -114,15 +114,21 @@ def main(argv=None) -> int:
         unraisable = sys.unraisablehook
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:
-        if getattr(args, "topology", None):  # every command's --topology: its spelling, before the command's first line
-            from metatrain.aot import check_topology
+        topology, backend = getattr(args, "topology", None), getattr(args, "backend", None)
+        if topology or backend not in (None, "cpu"):
+            # ahead of time, checked before the command's first line: --topology's spelling and the compiler it needs
+            # (a --backend that disagrees with it is refused by the command, naming both)
+            from metatrain import aot
 
-            check_topology(args.topology)
-        if (getattr(args, "topology", None) or getattr(args, "backend", "cpu") != "cpu") and \
-                "JAX_PLATFORMS" not in os.environ and not platforms.backends_started():
-            # ahead of time for a described TPU or GPU: no accelerator backend is needed, and JAX's CUDA plugin
-            # registers itself without a GPU only where JAX is kept to the CPU (else it stops at its CUDA checks)
-            platforms.use_cpu()
+            if topology:
+                aot.check_topology(topology)
+            want = aot.topology_backend(topology) or backend
+            if backend in (None, want):
+                aot.check_compiler(want, f"--topology {topology!r}" if topology else f"--backend {backend}")
+            if "JAX_PLATFORMS" not in os.environ and not platforms.backends_started():
+                # no accelerator backend is needed, and JAX's CUDA plugin registers itself without a GPU only where
+                # JAX is kept to the CPU (else it stops at its CUDA checks)
+                platforms.use_cpu()
         if getattr(args, "json", None):  # every command's --json: checked (its folder made) before any work
             from metatrain import paths
 

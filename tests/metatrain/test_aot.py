@@ -11,6 +11,7 @@ import pytest
 from helpers import env
 
 from metatrain import aot, cli, models
+from metatrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,12 +43,34 @@ def test_a_bad_gpu_topology_is_a_one_line_error(capsys, topology, says):
 @pytest.mark.parametrize("fraction", ["1.5", "0", "most"])
 def test_a_bad_memory_fraction_is_a_one_line_error(capsys, monkeypatch, fraction):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    monkeypatch.setattr(aot, "cuda_plugin_installed", lambda: True)  # the fraction is read before the plugin starts
     assert cli.main(["compile", "--topology", "h100", "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r}" in err and "\n" not in err
 
 
-def test_without_the_cuda_plugin_the_cuda_extra_is_named(capsys, monkeypatch):
+@pytest.mark.parametrize("argv, backend, extra", [
+    (["compile", "--topology", "h200"], "gpu", "cuda"),
+    (["bench", "fit", "--topology", "h100"], "gpu", "cuda"),
+    (["bench", "memory", "--backend", "gpu"], "gpu", "cuda"),
+    (["compile", "--topology", "v5p:1x1x1"], "tpu", "tpu"),
+    (["bench", "memory", "--backend", "tpu", "--topology", "v5p:2x2x1"], "tpu", "tpu"),
+])
+def test_without_the_compiler_its_extra_is_named_before_the_first_line(capsys, monkeypatch, argv, backend, extra):
+    """No CUDA plugin (libtpu) where a GPU (TPU) is compiled for: the extra to install, before the command's header
+    and before anything is compiled (bench fit compiled a first preset, then stopped)."""
+    monkeypatch.setattr(aot, "cuda_plugin_installed", lambda: False)
+    monkeypatch.setattr(aot, "libtpu_installed", lambda: False)
+    assert cli.main([*argv, "--model", "tiny"]) == 2
+    out, err = capsys.readouterr()
+    assert not out, out
+    err = err.strip()
+    assert err.startswith(f"metatrain {argv[0]}: error: ") and f"compiling for a {backend.upper()} needs" in err
+    assert f"pip install 'metatrain[{extra}]'" in err and "\n" not in err
+
+
+def test_without_the_cuda_plugin_the_cuda_extra_is_named(monkeypatch):
+    """From the Python API too (`aot.topology_devices`), where no command checked first."""
     from jax.experimental import topologies
 
     def missing(*args, **kwargs):  # what JAX raises where no CUDA plugin is installed
@@ -55,9 +78,8 @@ def test_without_the_cuda_plugin_the_cuda_extra_is_named(capsys, monkeypatch):
 
     monkeypatch.setattr(topologies, "get_topology_desc", missing)
     monkeypatch.setattr(aot, "cuda_plugin_installed", lambda: False)
-    assert cli.main(["compile", "--topology", "h200", "--model", "tiny"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "pip install 'metatrain[cuda]'" in err and "\n" not in err
+    with pytest.raises(ConfigError, match=r"pip install 'metatrain\[cuda\]'"):
+        aot.topology_devices("h200")
 
 
 def test_a_cuda_plugin_that_did_not_start_is_named(capsys, monkeypatch):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from metatrain import cli, models
+from metatrain import aot, cli, models
 from metatrain.bench import largest_fit
 from metatrain.bench.variants import parse_variant
 from metatrain.cli import common
@@ -101,6 +101,7 @@ def test_bench_fit_binary_search(monkeypatch, capsys):
     limits = {"autodiff": 300e6, "mixflow": 2.1e9}
     fake = _fake_compile(lambda cfg: limits[cfg.metagrad.mode], compiled)
     monkeypatch.setattr(largest_fit.compile_lib, "compile_report", fake)
+    monkeypatch.setattr(aot, "libtpu_installed", lambda: True)  # the stand-in compiles: no libtpu needed
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1"]) == 0
     out = capsys.readouterr().out
     assert "a preset fits when its exact peak is at most 98% of the chip's HBM" in out
@@ -119,6 +120,7 @@ def test_bench_fit_variant_model_options(monkeypatch, capsys, tmp_path):
         "sqrt", "blockwise", "bfloat16")
     monkeypatch.setattr(largest_fit.compile_lib, "compile_report",
                         _fake_compile(lambda cfg: 4e9 if full(cfg) else 300e6, seen))
+    monkeypatch.setattr(aot, "libtpu_installed", lambda: True)
     out = tmp_path / "fit.json"
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "--json", str(out), "--variants",
                      "autodiff+remat,mixflow+remat+save,mixflow+remat+save+sqrt+blockwise+bf16"]) == 0
@@ -131,7 +133,8 @@ def test_bench_fit_variant_model_options(monkeypatch, capsys, tmp_path):
     assert [r["largest"] for r in json.loads(out.read_text())["results"]] == ["278m", "278m", "3.8b"]
 
 
-def test_bench_fit_refuses_auto(capsys):
+def test_bench_fit_refuses_auto(capsys, monkeypatch):
+    monkeypatch.setattr(aot, "libtpu_installed", lambda: True)
     assert cli.main(["bench", "fit", "--topology", "v5p:1x1x1", "metagrad.kept_states=auto"]) == 2
     assert "name the variants to compare instead" in capsys.readouterr().err
 
