@@ -9,6 +9,7 @@ before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import json
 import math
@@ -366,15 +367,21 @@ def _preset_config(preset: str):
     return OmegaConf.create(text)  # read again by OmegaConf's loader: it takes `1e-3` as a number, PyYAML's does not
 
 
+@functools.cache
+def _field_types(cls: type) -> dict:
+    """A config dataclass's fields' types (its annotations resolved once: `typing.get_type_hints` is slow)."""
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
 def _refuse_groups(keys, where: str = "") -> None:
     """A key given a value that names a whole group (`model=1`, `inner.lora=4`, `model: 3` in a YAML file) is
     refused, naming one of the group's keys."""
-    import typing
-
     for key in keys:
         node = Config
         for part in key.split("."):
-            node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+            node = _field_types(node).get(part) if dataclasses.is_dataclass(node) else None
         if dataclasses.is_dataclass(node):
             raise ConfigError(f"{key}{where}: a group of settings, not a value; set its keys, e.g. "
                               f"{key}.{dataclasses.fields(node)[0].name}=...")
