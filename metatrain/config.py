@@ -387,20 +387,13 @@ def _refuse_groups(keys, where: str = "") -> None:
                               f"{key}.{dataclasses.fields(node)[0].name}=...")
 
 
-def _leaves(node, prefix: str = "") -> list[str]:
-    """The dotted keys of a YAML mapping's values (not its groups)."""
+def _keys(node, prefix: str = "", groups: bool = True) -> list[str]:
+    """The dotted keys of a YAML mapping: its groups' and its values' (`groups=False`: its values' only)."""
     out = []
     for key, value in (node.items() if OmegaConf.is_dict(node) else ()):
-        out += _leaves(value, f"{prefix}{key}.") if OmegaConf.is_dict(value) else [prefix + str(key)]
-    return out
-
-
-def _keys(node, prefix: str = "") -> list[str]:
-    """The dotted keys of a YAML mapping, groups and leaves."""
-    out = []
-    for key, value in (node.items() if OmegaConf.is_dict(node) else ()):
-        out.append(prefix + str(key))
-        out += _keys(value, f"{prefix}{key}.") if OmegaConf.is_dict(value) else []
+        if groups or not OmegaConf.is_dict(value):
+            out.append(prefix + str(key))
+        out += _keys(value, f"{prefix}{key}.", groups)
     return out
 
 
@@ -424,7 +417,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         if preset:
             preset_cfg = _preset_config(preset)
             _refuse_renamed(_keys(preset_cfg), f" in {preset}")
-            _refuse_groups(_leaves(preset_cfg), f" in {preset}")
+            _refuse_groups(_keys(preset_cfg, groups=False), f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             try:
                 merged = OmegaConf.merge(merged, preset_cfg)
