@@ -153,6 +153,9 @@ def cmd_compile(args) -> int:
         return 1
     print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
                                              for k in ("argument", "output", "alias", "temp", "peak")))
+    if r["backend"] == "tpu" and r.get("temp_sum_bytes", 0) > r["peak_bytes"]:
+        print(f"(the peak is the TPU compiler's high-water mark of its buffers; its temp counts more than is ever live "
+              f"at once, so argument + output - alias + temp, {r['temp_sum_bytes'] / GiB:.3f} GiB, is above it)")
     if r.get("host_io_bytes") or r.get("host_temp_bytes"):
         print(f"in host memory, not in the peak: arguments and outputs {r['host_io_bytes'] / GiB:.3f} GiB, "
               f"temporaries {r['host_temp_bytes'] / GiB:.3f} GiB")
