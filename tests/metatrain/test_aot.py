@@ -5,28 +5,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import env
+from helpers import cuda_plugin_path, env
 
 from metatrain import aot, cli, models
 from metatrain.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cuda_plugin_path() -> str | None:
-    """Where JAX's CUDA plugin imports from: "" where it is installed here, the checkout's .cuda_plugin folder where
-    CI put it (.ci/run), else None."""
-    if aot.cuda_plugin_installed():
-        return ""
-    folder = ROOT / ".cuda_plugin"
-    import jaxlib
-
-    # a folder left by another venv: JAX refuses a plugin of another jaxlib version (and may crash on it)
-    built = [d.name.removesuffix(".dist-info").split("-")[1] for d in folder.glob("jax_cuda1*_plugin-*.dist-info")]
-    return str(folder) if (folder / "jax_plugins").is_dir() and jaxlib.__version__ in built else None
 
 
 @pytest.mark.parametrize("topology, says", [("h100:0", "NAME:COUNT"), ("h100:two", "NAME:COUNT"),
@@ -107,7 +91,7 @@ def test_bench_memory_backend_and_topology_agree(capsys):
 
 
 @pytest.mark.slow  # XLA's GPU compiler: about 20 CPU s for the tiny outer step (its fusion search, ptxas)
-@pytest.mark.skipif(_cuda_plugin_path() is None,
+@pytest.mark.skipif(cuda_plugin_path() is None,
                     reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin "
                            "at this jaxlib's version")
 def test_compile_for_two_gpus_without_one(tmp_path):
@@ -117,7 +101,7 @@ def test_compile_for_two_gpus_without_one(tmp_path):
     a process (here 0.95 of it)."""
     out = tmp_path / "compile.json"
     e = env(XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (_cuda_plugin_path(), e["PYTHONPATH"]) if p)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (cuda_plugin_path(), e["PYTHONPATH"]) if p)
     del e["JAX_PLATFORMS"]
     res = subprocess.run([sys.executable, "-m", "metatrain.cli", "compile", "--topology", "h100:2", "--model", "tiny",
                           "--seq-len", "16", "--batch", "4", "--json", str(out)], capture_output=True, text=True, env=e)
