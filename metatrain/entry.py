@@ -1,5 +1,5 @@
 """The `metatrain` program: relaunched once so that glibc backs its large allocations with transparent huge pages,
-kept to the CPU where libtpu is installed but there is no TPU, then the command line.
+kept to the CPU where libtpu (JAX's CUDA plugin) is installed but there is no TPU (GPU), then the command line.
 
 XLA:CPU allocates the temporaries of each run of a compiled program anew, as one block (about 170 MB per device for
 the main job's outer step), and frees it after the run. glibc serves a block that large with fresh pages from the
@@ -10,11 +10,12 @@ arguments and environment plus the tunable, before anything heavy is imported. I
 not glibc 2.35 or later, transparent huge pages `always` (the kernel does it already) or `never`, or
 GLIBC_TUNABLES already naming `glibc.malloc.hugetlb` (`GLIBC_TUNABLES=glibc.malloc.hugetlb=0` turns it off).
 
-libtpu (the `tpu` extra) lets a CPU machine compile TPU programs ahead of time. Where it is installed, JAX also tries
-to start it as a backend on every command, and on a machine without TPU chips libtpu prints errors about finding no
-TPU (accelerator type, worker hostnames) before JAX falls back to the CPU. There, with no other JAX plugin (a GPU's)
-and JAX_PLATFORMS unset, the program sets JAX_PLATFORMS=cpu: the same run, without the errors; TPU programs still
-compile ahead of time.
+libtpu (the `tpu` extra) and JAX's CUDA plugin (the `cuda` extra) let a CPU machine compile TPU and GPU programs
+ahead of time. Where one is installed, JAX also tries to start it as a backend on every command: on a machine without
+TPU chips libtpu prints errors about finding no TPU (accelerator type, worker hostnames), and on one without an NVIDIA
+GPU the CUDA plugin logs a traceback (`cuInit` failed), before JAX falls back to the CPU. There, with no other JAX
+plugin and JAX_PLATFORMS unset, the program sets JAX_PLATFORMS=cpu: the same run, without the errors; TPU and GPU
+programs still compile ahead of time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+import pkgutil
 import sys
 
 from metatrain.platforms import use_cpu
@@ -97,35 +99,61 @@ def _tpu_chips() -> bool:
     return False
 
 
-def _other_plugins() -> bool:
-    """Whether a JAX plugin besides libtpu is installed (e.g. CUDA's), by its entry point or `jax_plugins` module."""
+def _nvidia_gpus() -> bool:
+    """NVIDIA GPUs' device files (a container's too), the driver's list of them, or WSL's GPU device."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*") or
+                os.path.exists("/dev/dxg"))
+
+
+def _plugins() -> set[str] | None:
+    """The names of the JAX plugins installed besides libtpu (e.g. `xla_cuda12`), by entry point or `jax_plugins`
+    module; None where the packages' metadata cannot be read."""
     try:
-        entry_points = importlib.metadata.entry_points(group="jax_plugins")
-    except Exception:  # noqa: BLE001 — broken metadata: assume a plugin, change nothing
-        return True
-    return bool(entry_points) or importlib.util.find_spec("jax_plugins") is not None
+        names = {e.name for e in importlib.metadata.entry_points(group="jax_plugins")}
+        spec = importlib.util.find_spec("jax_plugins")
+    except Exception:  # noqa: BLE001 — broken metadata
+        return None
+    if spec is not None and spec.submodule_search_locations:
+        names |= {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)}
+    return names
 
 
-def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM) -> dict | None:
-    """The environment that keeps JAX to the CPU where libtpu is installed on a machine without TPU chips, or None
-    where it does not apply (see the module's docstring).
+def _is_cuda(name: str) -> bool:
+    return name.startswith("xla_cuda")  # xla_cuda12, xla_cuda13
+
+
+def cpu_env(environ, libtpu=SYSTEM, tpu_chips=SYSTEM, other_plugins=SYSTEM, cuda=SYSTEM,
+            nvidia_gpus=SYSTEM) -> dict | None:
+    """The environment that keeps JAX to the CPU where libtpu is installed on a machine without TPU chips, or JAX's
+    CUDA plugin on one without an NVIDIA GPU, and nothing else would start; None where it does not apply (see the
+    module's docstring).
 
     Args:
       environ: the current environment.
       libtpu: whether libtpu is installed; by default whether this Python finds it.
       tpu_chips: whether the machine has TPU chips; by default whether its PCI bus shows Google's devices or
         it has TPU device files.
-      other_plugins: whether another JAX plugin is installed; by default this Python's.
+      other_plugins: whether a JAX plugin besides libtpu and CUDA's is installed (e.g. ROCm's); by default this
+        Python's (True where its packages' metadata cannot be read: then nothing is changed).
+      cuda: whether JAX's CUDA plugin is installed; by default this Python's.
+      nvidia_gpus: whether the machine has NVIDIA GPUs; by default whether it has their device files.
 
     Returns:
       `environ` with JAX_PLATFORMS=cpu, or None.
     """
     if "JAX_PLATFORMS" in environ:
         return None
+    names = _plugins() if SYSTEM in (other_plugins, cuda) else set()
+    if other_plugins == SYSTEM:
+        other_plugins = names is None or any(not _is_cuda(n) for n in names)
+    if cuda == SYSTEM:
+        cuda = bool(names) and any(_is_cuda(n) for n in names)
     libtpu = importlib.util.find_spec("libtpu") is not None if libtpu == SYSTEM else libtpu
-    if not libtpu or (_tpu_chips() if tpu_chips == SYSTEM else tpu_chips):
+    if not (libtpu or cuda) or other_plugins:
         return None
-    if _other_plugins() if other_plugins == SYSTEM else other_plugins:
+    if libtpu and (_tpu_chips() if tpu_chips == SYSTEM else tpu_chips):
+        return None
+    if cuda and (_nvidia_gpus() if nvidia_gpus == SYSTEM else nvidia_gpus):
         return None
     return {**environ, "JAX_PLATFORMS": "cpu"}
 

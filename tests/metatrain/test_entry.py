@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import cuda_plugin_path
 
 from metatrain import entry
 from metatrain.entry import hugepage_env
@@ -54,19 +55,56 @@ def test_relaunch_in_a_real_process_runs_once_with_what_hugepage_env_says(tmp_pa
     assert out == ["start"] * (1 + (expected is not None)) + [f"tunables {expected} ['a', 'b c']"]
 
 
-@pytest.mark.parametrize("environ,libtpu,chips,plugins,after", [
-    ({}, True, False, False, "cpu"),  # the tpu extra on a CPU machine
-    ({}, True, True, False, None),  # a TPU VM
-    ({}, False, False, False, None),  # no libtpu: nothing to keep out
-    ({}, True, False, True, None),  # a GPU's plugin beside libtpu: JAX picks
-    ({"JAX_PLATFORMS": ""}, True, False, False, None),  # the user's own choice stays
-    ({"JAX_PLATFORMS": "tpu"}, True, False, False, None),
+@pytest.mark.parametrize("environ,libtpu,chips,cuda,gpus,plugins,after", [
+    ({}, True, False, False, False, False, "cpu"),  # the tpu extra on a CPU machine
+    ({}, True, True, False, False, False, None),  # a TPU VM
+    ({}, False, False, False, False, False, None),  # neither: nothing to keep out
+    ({}, True, False, False, False, True, None),  # another plugin (e.g. ROCm's) beside libtpu: JAX picks
+    ({}, False, False, True, False, False, "cpu"),  # the cuda extra on a machine without a GPU
+    ({}, False, False, True, True, False, None),  # a GPU machine
+    ({}, True, False, True, False, False, "cpu"),  # both extras, neither device
+    ({}, True, False, True, True, False, None),  # both extras on a GPU machine
+    ({}, False, False, True, False, True, None),  # another plugin beside CUDA's: JAX picks
+    ({"JAX_PLATFORMS": ""}, True, False, True, False, False, None),  # the user's own choice stays
+    ({"JAX_PLATFORMS": "tpu"}, True, False, False, False, False, None),
+    ({"JAX_PLATFORMS": "cuda"}, False, False, True, False, False, None),
 ])
-def test_cpu_env_keeps_libtpu_out_only_on_a_machine_without_tpu_chips(environ, libtpu, chips, plugins, after):
-    got = entry.cpu_env({"PATH": "/bin", **environ}, libtpu=libtpu, tpu_chips=chips, other_plugins=plugins)
+def test_cpu_env_keeps_an_accelerator_plugin_out_only_on_a_machine_without_its_device(environ, libtpu, chips, cuda,
+                                                                                        gpus, plugins, after):
+    got = entry.cpu_env({"PATH": "/bin", **environ}, libtpu=libtpu, tpu_chips=chips, other_plugins=plugins, cuda=cuda,
+                        nvidia_gpus=gpus)
     assert (got if got is None else got["JAX_PLATFORMS"]) == after
     if got is not None:
         assert got["PATH"] == "/bin"
+
+
+def test_plugins_are_found_by_their_jax_plugins_module(tmp_path, monkeypatch):
+    """How JAX finds a plugin without an entry point: a module in the `jax_plugins` namespace package."""
+    for name in ("xla_cuda13", "xla_rocm"):
+        (tmp_path / "jax_plugins" / name).mkdir(parents=True)
+        (tmp_path / "jax_plugins" / name / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"xla_cuda13", "xla_rocm"} <= entry._plugins()
+
+
+@pytest.mark.skipif(cuda_plugin_path() is None,
+                    reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin "
+                           "at this jaxlib's version")
+def test_a_machine_without_a_gpu_runs_the_cuda_extra_on_the_cpu_without_a_traceback(tmp_path):
+    """As a user with the cuda extra on a CPU machine (a laptop, a login node) runs it, JAX_PLATFORMS unset: the CUDA
+    plugin's start logged a traceback ("cuInit(0) failed") on every command before JAX fell back to the CPU."""
+    if entry._nvidia_gpus():
+        pytest.skip("this machine has an NVIDIA GPU")
+    code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
+            "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
+            "cli.freeze_imported = lambda: None; "
+            "from metatrain import entry; entry.main()")
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (cuda_plugin_path(), environ.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "cuInit" not in res.stderr, res.stderr[-2000:]
 
 
 def test_main_sets_jax_platforms_before_the_command_line_imports_jax(monkeypatch):
