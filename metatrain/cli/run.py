@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
         config_lib.write_text(workdir_lib.config_path(cfg.workdir), config_lib.to_yaml(cfg))
         m = trainer.memory
         print(f"{what} in {cfg.workdir}, {trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} "
-              f"(data x fsdp) devices, {joined}"
+              f"(data x fsdp) {trainer.mesh.devices.flat[0].device_kind} devices, {joined}"
               + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
         print(f"outer step compiled: peak {m['peak_bytes'] / 2**20:,.1f} MiB per device (arguments "
               f"{m['argument_bytes'] / 2**20:,.1f}, temporaries {m['temp_bytes'] / 2**20:,.1f})", flush=True)

@@ -70,7 +70,7 @@ def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
     for workdir, devices, extra in ((one, 1, ()), (eight, None, ("mesh.fsdp=2", "mesh.cpu_devices=8"))):
         out = metatrain("train", *run, f"workdir={workdir}", *extra, devices=devices, extra_env=FLOAT64_ENV)
         assert out.returncode == 0, out.stderr[-3000:]
-    assert "4x2 (data x fsdp) devices" in out.stdout
+    assert "4x2 (data x fsdp) cpu devices" in out.stdout
     assert_same_first_meta_gradient(one, eight)
     reference = saved_float64_state(one, 4)
     for key in ("meta", "inner", "base"):
