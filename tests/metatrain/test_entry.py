@@ -87,6 +87,17 @@ def test_plugins_are_found_by_their_jax_plugins_module(tmp_path, monkeypatch):
     assert {"xla_cuda13", "xla_rocm"} <= entry._plugins()
 
 
+def _program_start(environ, cwd) -> subprocess.CompletedProcess:
+    """The `metatrain` program's start in a process of its own, in the console script's order (metatrain.entry,
+    then in its main the command line), with a command line that prints JAX_PLATFORMS and starts JAX."""
+    code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
+            "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
+            "cli.freeze_imported = lambda: None; "
+            "from metatrain import entry; entry.main()")
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
 @pytest.mark.skipif(cuda_plugin_path() is None,
                     reason="needs JAX's CUDA plugin (no GPU): pip install -e '.[cuda]', or .ci/run's .cuda_plugin "
                            "at this jaxlib's version")
@@ -95,14 +106,9 @@ def test_a_machine_without_a_gpu_runs_the_cuda_extra_on_the_cpu_without_a_traceb
     plugin's start logged a traceback ("cuInit(0) failed") on every command before JAX fell back to the CPU."""
     if entry._nvidia_gpus():
         pytest.skip("this machine has an NVIDIA GPU")
-    code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
-            "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
-            "cli.freeze_imported = lambda: None; "
-            "from metatrain import entry; entry.main()")
     environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (cuda_plugin_path(), environ.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
-                         timeout=120)
+    res = _program_start(environ, tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
     assert "Traceback" not in res.stderr and "cuInit" not in res.stderr, res.stderr[-2000:]
 
@@ -126,14 +132,8 @@ def test_a_cpu_machine_with_libtpu_runs_on_the_cpu_without_tpu_errors(tmp_path):
     pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
     if entry._tpu_chips():
         pytest.skip("this machine has TPU chips")
-    # the console script's order: metatrain.entry, then (in main) the command line, here one that starts JAX
-    code = ("import os, sys, types; cli = sys.modules['metatrain.cli'] = types.ModuleType('metatrain.cli'); "
-            "cli.main = lambda: print(os.environ['JAX_PLATFORMS'], __import__('jax').devices()); "
-            "cli.freeze_imported = lambda: None; "
-            "from metatrain import entry; entry.main()")
     environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    res = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, cwd=tmp_path,
-                         timeout=120)
+    res = _program_start(environ, tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("cpu [CpuDevice"), res.stdout + res.stderr[-2000:]
     assert "TPU" not in res.stderr, res.stderr[-2000:]
     # `python -m metatrain.cli`'s order: the package (JAX with it) imported first, then the CPU kept
