@@ -43,6 +43,9 @@ if [ "${GPU_BENCH_INSTALL:-0}" = 1 ] || ! "$py" -c "import grain, omegaconf, tik
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+# where nvidia-smi sees a GPU, JAX on it whatever else the machine shows (metatrain keeps JAX to the CPU where it
+# finds no NVIDIA device files), and an error rather than CPU figures if the plugin does not start
+if [ -z "${JAX_PLATFORMS+x}" ] && nvidia-smi -L >/dev/null 2>&1; then export JAX_PLATFORMS=cuda,cpu; fi
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
