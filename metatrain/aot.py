@@ -56,6 +56,57 @@ def compiled_memory(compiled) -> dict:
     return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": float((cost or {}).get("flops", 0.0))}
 
 
+def memory_here(device) -> int | None:
+    """The bytes a program may use on `device`: an accelerator's limit (JAX's allocator's `bytes_limit`), or on a CPU
+    the host's available memory (`MemAvailable`, within this process's cgroup limit where one is set); None where
+    neither is known. CPU devices of one process share it."""
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        return int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+    have = None
+    try:
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:  # a container's limit (cgroup v2): what is left of it
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = int(limit) - int(f.read().strip())
+            have = left if have is None else min(have, left)
+    except (OSError, ValueError):
+        pass
+    return have
+
+
+def check_fits(memory: dict, devices, what: str = "the outer step") -> None:
+    """Refuses (one TrainingError line) a compiled program whose peak (`compiled_memory`) passes the memory of the
+    devices it runs on here (`memory_here`): on CPU the peak of each of this process's devices against the host's
+    available memory, on an accelerator each device's peak against its limit. Unknown memory passes."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    if not local:
+        return
+    device = local[0]
+    shared = device.platform == "cpu"
+    need, have = memory["peak_bytes"] * (len(local) if shared else 1), memory_here(device)
+    if have is None or need <= have:
+        return
+    per = f" ({_gib(memory['peak_bytes'])} per device x {len(local)} CPU devices)" if shared and len(local) > 1 else ""
+    where = "available on this machine" if shared else f"of the {device.device_kind}'s that JAX may use"
+    raise TrainingError(f"{what} needs {_gib(need)} at its peak{per}, more than the {_gib(have)} {where}; use "
+                        f"smaller batches (data.batch), shorter sequences (data.seq_len) or a smaller model, or "
+                        f"compare settings that need less with `metatrain bench memory`")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
 def platform(compiled) -> str:
     """The platform a compiled program is for ("tpu" for an ahead-of-time TPU topology too)."""
     for sharding in jax.tree.leaves(compiled.input_shardings):

@@ -27,7 +27,7 @@ from metatrain import aot, auto, distributed, population
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
-from metatrain.aot import compiled_memory
+from metatrain.aot import check_fits, compiled_memory
 from metatrain.checkpoints import Checkpoints
 from metatrain.config import AUTO, Config
 from metatrain.data.pipeline import Streams, device_features, to_global
@@ -83,6 +83,7 @@ class Trainer:
         self._check_base(record=False)  # other base weights than the adapters trained on: refused before compiling
         self.program, self.compiled = self._compile(self.program)
         self.memory = compiled_memory(self.compiled)
+        check_fits(self.memory, self.mesh.devices.flat)  # before the first step allocates its temporaries
         if self.is_main:
             plan = self.program.plan
             if plan is not None:

@@ -131,6 +131,8 @@ def probes(f: dict) -> list[Probe]:
         out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
     out.append(Probe("cosine warmup past the run", train("meta_opt.schedule=cosine", "meta_opt.warmup_steps=5"),
                      "warmup_steps"))
+    out.append(Probe("an outer step past the memory here", train("data.seq_len=100000"), "at its peak",
+                     absent=("w",)))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

@@ -2,7 +2,8 @@
 
 Each command group registers its own subcommands (`run`, `check`, `bench`, `data`). A problem with the
 user's input (`MetatrainError`: a config field, a task, a data source, a work dir) is printed as one
-line naming what to change, with exit code 2; anything else keeps its traceback. SIGTERM (a scheduler,
+line naming what to change, with exit code 2, and so is XLA running out of memory while a program runs;
+anything else keeps its traceback. SIGTERM (a scheduler,
 `timeout`, `docker stop`) stops a command as Ctrl-C does: what it was writing is cleaned up, and it exits 128 +
 the signal's number.
 """
@@ -102,6 +103,16 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
     return seen
 
 
+def _out_of_memory(error: BaseException) -> str | None:
+    """One line for XLA running out of device (or host) memory while a program runs, else None."""
+    text = str(error)
+    if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or "RESOURCE_EXHAUSTED" not in text:
+        return None
+    said = " ".join(text.split("RESOURCE_EXHAUSTED:", 1)[1].split())[:200]
+    return (f"out of memory ({said}); use smaller batches, shorter sequences or a smaller model (`metatrain bench "
+            f"memory` compares the settings that need less)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     handled = threading.current_thread() is threading.main_thread() and \
@@ -140,7 +151,11 @@ def main(argv=None) -> int:
     except Exception as e:
         stop = _stop_behind(e)
         if stop is None:
-            raise
+            oom = _out_of_memory(e)
+            if oom is None:
+                raise
+            print(f"metatrain {args.command}: error: {oom}", file=sys.stderr)
+            return 2
         return _stopped(args.command, stop)
     except KeyboardInterrupt as e:
         return _stopped(args.command, e)

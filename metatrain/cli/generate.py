@@ -95,6 +95,9 @@ def _encode(prompts, tok, args, template: str) -> list[list[int]]:
 
 def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
     """Token ids within the model's vocabulary; prompt + new tokens within its context; the KV cache in memory."""
+    import jax
+
+    from metatrain import aot
     from metatrain.errors import ConfigError
     from metatrain.models import decode
 
@@ -107,24 +110,11 @@ def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
         raise ConfigError(f"generate --max-new-tokens {args.max_new_tokens}: with a prompt of {longest} tokens that "
                           f"passes the model's context of {context} (max_position_embeddings); give at most "
                           f"{max(context - longest, 0)}")
-    need, have = decode.cache_bytes(cfg, len(ids), longest + args.max_new_tokens), _memory_bytes()
+    need, have = decode.cache_bytes(cfg, len(ids), longest + args.max_new_tokens), aot.memory_here(jax.devices()[0])
     if have and need > have // 2:
         raise ConfigError(f"generate --max-new-tokens {args.max_new_tokens}: the KV cache for {len(ids)} prompt(s) "
                           f"of up to {longest} + {args.max_new_tokens} tokens needs {need / 2**30:.1f} GiB, more than "
                           f"half the {have / 2**30:.1f} GiB free here; ask for fewer new tokens or fewer prompts")
-
-
-def _memory_bytes() -> int | None:
-    """The first device's memory (an accelerator's limit, or the host's available memory on CPU)."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def cmd_generate(args) -> int:

@@ -6,11 +6,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 from helpers import cuda_plugin_path, env
 
 from metatrain import aot, cli, models
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, TrainingError
 
 
 @pytest.mark.parametrize("topology, says", [("h100:0", "NAME:COUNT"), ("h100:two", "NAME:COUNT"),
@@ -114,3 +115,20 @@ def test_compile_for_two_gpus_without_one(tmp_path):
     assert r["hbm_bytes"] == 0.95 * aot.GPUS["h100"]["memory_bytes"] and r["fits"]
     state = 3 * 4 * models.param_count(models.preset("tiny"))  # η and Adam's two moments, float32
     assert 0.5 * state <= r["argument_bytes"] < 0.6 * state  # half of it, and the batches
+
+
+def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
+    """On CPU the devices of one process share the host's available memory: their peaks add up against it."""
+    import types
+
+    cpu = jax.devices("cpu")[0]
+    have = aot.memory_here(cpu)
+    assert have is not None and 0 < have <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    devices = [types.SimpleNamespace(platform="cpu", process_index=jax.process_index(), device_kind="cpu")] * 4
+    monkeypatch.setattr(aot, "memory_here", lambda device: 4 * 2**30)
+    aot.check_fits({"peak_bytes": 2**30}, devices)  # 4 x 1 GiB: exactly what is here
+    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB at its peak \(1\.0 GiB per device x 4 CPU devices\), "
+                                            r"more than the 4\.0 GiB available on this machine"):
+        aot.check_fits({"peak_bytes": 2**30 + 1}, devices)
+    monkeypatch.setattr(aot, "memory_here", lambda device: None)  # unknown: passes
+    aot.check_fits({"peak_bytes": 2**60}, devices)

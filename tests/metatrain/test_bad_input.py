@@ -117,3 +117,30 @@ def test_a_compiler_refusal_a_user_can_fix_is_one_line_naming_the_flag():
     assert "LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=32768" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(RuntimeError, match="something else"):  # other failures keep their traceback
         aot.compile(Refused("something else"))
+
+
+def test_an_outer_step_past_the_memory_here_is_refused_before_its_first_step(tmp_path, capsys, monkeypatch):
+    """`data.seq_len=100000` once compiled a 9 TiB outer step and died in JAX with RESOURCE_EXHAUSTED; the compiled
+    peak is now held against the memory here (made small for the test) before anything runs."""
+    from metatrain import aot
+
+    monkeypatch.setattr(aot, "memory_here", lambda device: 2**20)
+    code = cli.main(["train", *TINY, f"workdir={tmp_path / 'run'}"])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, "the outer step needs", "at its peak", "more than the 1.0 MiB available",
+                   "data.batch", "data.seq_len", "metatrain bench memory")
+    assert not (tmp_path / "run").exists()
+
+
+def test_running_out_of_memory_in_a_program_is_one_line(monkeypatch, capsys):
+    import jax
+
+    from metatrain.cli import check
+
+    def out_of_memory(args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 320313613584 bytes.")
+
+    monkeypatch.setattr(check, "cmd_check_grads", out_of_memory)
+    assert cli.main(["check-grads", "--task", "maml"]) == 2
+    one_line_error(capsys.readouterr().err, "metatrain check-grads: error: out of memory",
+                   "Out of memory allocating 320313613584 bytes", "smaller batches")
