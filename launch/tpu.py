@@ -10,9 +10,9 @@ ignores), plus your own task module: a `task=module:Class` whose module is a fil
 current directory is found and shipped, and `--include PATH` adds more. Both go on the workers'
 PYTHONPATH, and the launcher prints what it ships. `--queued` creates the slice through
 `gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits
-until it is ACTIVE. `--dry-run` prints every command instead of running it. The work dir (and
-data.data_dir) may be gs:// paths: checkpoints survive the VM, which is what makes `--resume` after a
-preemption work.
+until it is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path
+(or an absolute path on a file system every worker mounts; a relative one is refused), and data.data_dir may be
+one: checkpoints survive the VM, which is what makes `--resume` after a preemption work.
 """
 
 from __future__ import annotations
@@ -261,6 +261,13 @@ def main(argv=None) -> int:
         parser.error("give the metatrain command after --: train ... or pretrain ...")
     if args.queued and args.preemptible:
         parser.error("--queued takes --spot, not --preemptible")
+    if "://" not in args.workdir:
+        if not os.path.isabs(args.workdir):
+            parser.error(f"--workdir {args.workdir}: a relative path is inside {args.remote_dir}/code on each worker, "
+                         f"which the launcher replaces at every start, so a restart finds no checkpoint; give "
+                         f"gs://BUCKET/runs/NAME, or an absolute path on a file system every worker mounts")
+        print(f"launch.tpu: --workdir {args.workdir} is not a gs:// path: every worker must see the same folder (a "
+              f"file system they all mount) and it must outlive a preempted VM for --resume", file=sys.stderr)
     args.code = args.code.resolve()
     return launch(args)
 

@@ -100,6 +100,18 @@ def test_launcher_needs_a_command(capsys):
     assert "give the metatrain command" in capsys.readouterr().err
 
 
+def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
+    """A relative work dir lands in the code folder every (re)start replaces: after a preemption `--resume` would
+    find no checkpoint and the run's steps would be lost."""
+    with pytest.raises(SystemExit):
+        tpu.main(["--name", "mt", "--zone", "z", "--workdir", "runs/mt", "--dry-run", "--", "train"])
+    err = capsys.readouterr().err
+    assert "--workdir runs/mt: a relative path is inside ~/metatrain/code" in err and "gs://BUCKET" in err
+    assert tpu.main(["--name", "mt", "--zone", "z", "--workdir", "/mnt/shared/mt", "--code", str(checkout),
+                     "--dry-run", "--", "train"]) == 0  # a shared mount may be right: said, not refused
+    assert "is not a gs:// path: every worker must see the same folder" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.tpu_backend
 def test_compile_on_v5p_2x2x1_fits_with_fsdp(tmp_path):
