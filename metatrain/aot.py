@@ -86,21 +86,27 @@ def memory_here(device) -> int | None:
 
 def check_fits(memory: dict, devices, what: str = "the outer step") -> None:
     """Refuses (one TrainingError line) a compiled program whose peak (`compiled_memory`) passes the memory of the
-    devices it runs on here (`memory_here`): on CPU the peak of each of this process's devices against the host's
-    available memory, on an accelerator each device's peak against its limit. Unknown memory passes."""
+    devices it runs on here (`memory_here`). On an accelerator each device's peak is held against its limit. On CPU
+    the devices of this process share the host's available memory, which the program's arguments (the state, already
+    allocated) have taken their share of: what each device's peak holds beyond its arguments, times the devices, is
+    held against it. Unknown memory passes."""
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
     if not local:
         return
-    device = local[0]
+    device, peak = local[0], memory["peak_bytes"]
     shared = device.platform == "cpu"
-    need, have = memory["peak_bytes"] * (len(local) if shared else 1), memory_here(device)
+    need = (peak - memory.get("argument_bytes", 0)) * len(local) if shared else peak
+    have = memory_here(device)
     if have is None or need <= have:
         return
-    per = f" ({_gib(memory['peak_bytes'])} per device x {len(local)} CPU devices)" if shared and len(local) > 1 else ""
-    where = "available on this machine" if shared else f"of the {device.device_kind}'s that JAX may use"
-    raise TrainingError(f"{what} needs {_gib(need)} at its peak{per}, more than the {_gib(have)} {where}; use "
-                        f"smaller batches (data.batch), shorter sequences (data.seq_len) or a smaller model, or "
-                        f"compare settings that need less with `metatrain bench memory`")
+    if shared:
+        per = f" per device x {len(local)} CPU devices" if len(local) > 1 else ""
+        said = (f"needs {_gib(need)} beyond its arguments (the state, in memory already) at its peak "
+                f"({_gib(peak)}{per}), more than the {_gib(have)} available on this machine")
+    else:
+        said = f"needs {_gib(need)} at its peak, more than the {_gib(have)} of the {device.device_kind} JAX may use"
+    raise TrainingError(f"{what} {said}; use smaller batches (data.batch), shorter sequences (data.seq_len) or a "
+                        f"smaller model, or compare settings that need less with `metatrain bench memory`")
 
 
 def _gib(n: float) -> str:

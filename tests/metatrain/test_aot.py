@@ -118,7 +118,8 @@ def test_compile_for_two_gpus_without_one(tmp_path):
 
 
 def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
-    """On CPU the devices of one process share the host's available memory: their peaks add up against it."""
+    """On CPU the devices of one process share the host's available memory, which their arguments (the state) have
+    taken already: what each peak holds beyond them adds up against it."""
     import types
 
     cpu = jax.devices("cpu")[0]
@@ -126,9 +127,14 @@ def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
     assert have is not None and 0 < have <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     devices = [types.SimpleNamespace(platform="cpu", process_index=jax.process_index(), device_kind="cpu")] * 4
     monkeypatch.setattr(aot, "memory_here", lambda device: 4 * 2**30)
-    aot.check_fits({"peak_bytes": 2**30}, devices)  # 4 x 1 GiB: exactly what is here
-    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB at its peak \(1\.0 GiB per device x 4 CPU devices\), "
-                                            r"more than the 4\.0 GiB available on this machine"):
-        aot.check_fits({"peak_bytes": 2**30 + 1}, devices)
+    aot.check_fits({"peak_bytes": 3 * 2**30, "argument_bytes": 2 * 2**30}, devices)  # 4 x 1 GiB: what is here
+    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB beyond its arguments \(the state, in memory already\) at "
+                                            r"its peak \(3\.0 GiB per device x 4 CPU devices\), more than the 4\.0 GiB "
+                                            r"available on this machine; use smaller batches"):
+        aot.check_fits({"peak_bytes": 3 * 2**30 + 1, "argument_bytes": 2 * 2**30}, devices)
+    gpu = [types.SimpleNamespace(platform="gpu", process_index=jax.process_index(), device_kind="NVIDIA H200")] * 2
+    aot.check_fits({"peak_bytes": 4 * 2**30, "argument_bytes": 2**30}, gpu)  # each GPU its own limit
+    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB at its peak, more than the 4\.0 GiB of the NVIDIA H200"):
+        aot.check_fits({"peak_bytes": 4 * 2**30 + 1, "argument_bytes": 2**30}, gpu)
     monkeypatch.setattr(aot, "memory_here", lambda device: None)  # unknown: passes
-    aot.check_fits({"peak_bytes": 2**60}, devices)
+    aot.check_fits({"peak_bytes": 2**60, "argument_bytes": 0}, devices)
