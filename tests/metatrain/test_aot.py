@@ -138,3 +138,22 @@ def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
         aot.check_fits({"peak_bytes": 4 * 2**30 + 1, "argument_bytes": 2**30}, gpu)
     monkeypatch.setattr(aot, "memory_here", lambda device: None)  # unknown: passes
     aot.check_fits({"peak_bytes": 2**60, "argument_bytes": 0}, devices)
+
+
+def test_memory_here_on_cpu_is_what_the_host_and_its_container_leave(tmp_path, monkeypatch):
+    """MemAvailable, within a cgroup v2 limit less what the cgroup uses beyond the page cache it could drop."""
+    GiB = 2**30
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 * GiB // 1024} kB\nMemAvailable: {10 * GiB // 1024} kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")
+    monkeypatch.setattr(aot, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(aot, "CGROUP", str(cgroup))
+    cpu = jax.devices("cpu")[0]
+    assert aot.memory_here(cpu) == 10 * GiB
+    (cgroup / "memory.max").write_text(f"{8 * GiB}\n")
+    (cgroup / "memory.current").write_text(f"{7 * GiB}\n")
+    (cgroup / "memory.stat").write_text(f"anon {4 * GiB}\nfile {3 * GiB}\ninactive_file {3 * GiB}\n")
+    assert aot.memory_here(cpu) == 4 * GiB  # 8 - (7 - 3)
+    (cgroup / "memory.max").write_text(f"{20 * GiB}\n")
+    assert aot.memory_here(cpu) == 10 * GiB  # the host has less
