@@ -71,34 +71,55 @@ def saved_tree(state_dir: str) -> dict:
     return metadata.tree
 
 
-# What a failed read of a damaged checkpoint leaves behind: TensorStore's other reads of it fail too, or finish after
-# Orbax closed the event loop they report to. Their errors surface one by one, as asyncio's "exception was never
-# retrieved" log records and through `sys.unraisablehook`, a traceback each, some of them after training resumed. The
-# failure is reported once, in one line: errors that start like Orbax's (`_FAILED_READ`) or name a file of a checkpoint
-# found damaged (`_DAMAGED`, its directory; TensorStore's own, e.g. "OUT_OF_RANGE: Error reading ... at local file
-# <dir>/<step>/state/...") are dropped.
-_FAILED_READ = ("Encountered error while reading", "Event loop is closed")
+# What a failed read of a damaged checkpoint, or a failed write of one in flight (a full disk), leaves behind:
+# TensorStore's other reads or writes fail too, or finish after Orbax closed the event loop they report to. Their
+# errors surface one by one, as asyncio's "exception was never retrieved" and Orbax's (absl) log records, through
+# `sys.unraisablehook` and through `sys.excepthook` (a callback into a closed loop), a traceback each, some of them
+# after training resumed or at exit. The failure itself reaches the Trainer (a restore that raises; a save's
+# `wait_until_finished`) and is said once, in one line; the stray errors are dropped: those that start like Orbax's
+# (`_STRAY`), name a file of a checkpoint found damaged (`_DAMAGED`, its directory; TensorStore's own, e.g.
+# "OUT_OF_RANGE: Error reading ... at local file <dir>/<step>/state/...") or of one being written (Orbax's temporary
+# folders), and Orbax's own records of a background save that failed (`_SAVE_FAILED`).
+_STRAY = ("Encountered error while reading", "Event loop is closed",
+          "sys.meta_path is None, Python is likely shutting down")  # a failed write's coroutines, at exit
+_WRITING = ".orbax-checkpoint-tmp"
+_SAVE_FAILED = ("raised an exception", "in background save thread", "Save Finalize thread")
 _DAMAGED: set[str] = set()
 
 
+def _stray(text: str) -> bool:
+    return text.startswith(_STRAY) or _WRITING in text or any(path in text for path in _DAMAGED)
+
+
 def _from_failed_read(e: BaseException | None) -> bool:
-    if e is None:
-        return False
-    text = str(e)
-    return text.startswith(_FAILED_READ) or any(path in text for path in _DAMAGED)
+    return e is not None and _stray(str(e))
 
 
 class _FailedReadFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _from_failed_read(record.exc_info[1]))
+        if record.exc_info and _from_failed_read(record.exc_info[1]):
+            return False
+        message = record.getMessage()
+        if f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in record.pathname and record.levelno >= logging.ERROR \
+                and any(what in message for what in _SAVE_FAILED):
+            return False
+        return not (_WRITING in message or any(path in message for path in _DAMAGED))
+
+
+def _into_closed_loop(tb) -> bool:
+    """Whether a traceback ends in asyncio refusing a callback because its loop is closed."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
 
 
 def drop_stray_read_errors() -> None:
-    """Drops the stray errors of failed reads (those `_FAILED_READ` starts and those naming a damaged checkpoint) from
-    now on; other unraisable exceptions and asyncio records go where they went. Called before a checkpoint is read:
-    TensorStore's late reads can report to a closed event loop before the failed restore's exception reaches us."""
-    if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger("asyncio").filters):
-        logging.getLogger("asyncio").addFilter(_FailedReadFilter())
+    """Drops the stray errors of failed reads and writes (see above) from now on; other unraisable exceptions, uncaught
+    ones and log records go where they went. Called before a checkpoint is read or written: TensorStore's late reads
+    can report to a closed event loop before the failed restore's exception reaches us."""
+    for name in ("asyncio", "absl"):  # absl: Orbax's own threads log the failures they pass on
+        if not any(isinstance(f, _FailedReadFilter) for f in logging.getLogger(name).filters):
+            logging.getLogger(name).addFilter(_FailedReadFilter())
     if not getattr(sys.unraisablehook, "drops_failed_reads", False):  # ours, unless something replaced it since
         previous = sys.unraisablehook
 
@@ -108,6 +129,15 @@ def drop_stray_read_errors() -> None:
 
         hook.drops_failed_reads = True
         sys.unraisablehook = hook
+    if not getattr(sys.excepthook, "drops_failed_reads", False):
+        previous_except = sys.excepthook
+
+        def excepthook(kind, value, tb):  # TensorStore's callbacks into Orbax's closed loop, printed from C++
+            if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed" and _into_closed_loop(tb)):
+                previous_except(kind, value, tb)
+
+        excepthook.drops_failed_reads = True
+        sys.excepthook = excepthook
 
 
 def silence_failed_reads(checkpoint: str) -> None:
@@ -127,14 +157,46 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
         self.last_saved = self.manager.latest_step()
+        self.failed = False
+        drop_stray_read_errors()  # a write that fails (a full disk) leaves stray errors too
 
     def save(self, step: int, items: dict) -> bool:
-        """Start an async save of `items` (name -> Orbax save args) at `step`; False when `step` is already saved."""
+        """Start an async save of `items` (name -> Orbax save args) at `step`; False when `step` is already saved.
+        A save that failed (the one in flight, which this waits for first) is a TrainingError (`_failed_save`)."""
         if step == self.last_saved:
             return False
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # noqa: BLE001 — a write that failed: one line, the half-written step removed
+            self._failed_save(e)
         self.last_saved = step
         return True
+
+    def _failed_save(self, error: Exception) -> None:
+        """A checkpoint Orbax could not write (a full disk, a quota, a lost mount): its half-written folder removed,
+        the stray errors of its other writes dropped, and one TrainingError line naming the newest intact one."""
+        from etils import epath
+
+        half = sorted(epath.Path(self.dir).glob(f"*{_WRITING}*"), key=lambda p: (len(p.name), p.name))
+        for path in half:
+            _DAMAGED.add(str(path))
+        drop_stray_read_errors()
+        for path in half if jax.process_index() == 0 else []:
+            try:
+                path.rmtree()
+            except Exception:  # noqa: BLE001 — a write still in flight; the next run's Orbax skips it
+                pass
+        self.failed = True
+        text = str(error)
+        reason = next((why for why in ("No space left on device", "Disk quota exceeded", "File too large",
+                                         "Read-only file system")
+                       if why in text), first_line(error))
+        step = half[0].name.split(".")[0] if half else "?"
+        latest = workdir_lib.latest_step(self.workdir)
+        then = (f"checkpoint {latest} is the newest intact one: make room there (or lower keep_checkpoints) and run "
+                f"again with --resume" if latest is not None else
+                "no checkpoint was written before it: make room there and run the command again")
+        raise TrainingError(f"checkpoint {step} could not be written in {self.dir} ({reason}); {then}") from None
 
     def restore(self, state_target, other_items: dict, log=lambda line: print(line, file=sys.stderr)):
         """(step, restored Composite) from the newest intact checkpoint; `state_target` are ShapeDtypeStructs."""
@@ -188,8 +250,19 @@ class Checkpoints:
         self.last_saved = self.manager.latest_step()
 
     def close(self) -> None:
-        """Wait for any save in flight, then shut the async checkpointer down (idempotent)."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
-            self.manager.close()
-            self.manager = None
+        """Wait for any save in flight, then shut the async checkpointer down (idempotent). A save that failed is a
+        TrainingError (`_failed_save`), said once."""
+        if self.manager is None:
+            return
+        manager, self.manager = self.manager, None
+        try:
+            if not self.failed:
+                manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._failed_save(e)
+        finally:
+            try:
+                manager.close()
+            except Exception:  # noqa: BLE001 — the failed save again, said already
+                if not self.failed:
+                    raise

@@ -11,6 +11,7 @@ the signal's number.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import os
 import signal
@@ -104,7 +105,12 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
 
 
 def _out_of_memory(error: BaseException) -> str | None:
-    """One line for XLA running out of device (or host) memory while a program runs, else None."""
+    """One line for XLA running out of device (or host) memory while a program runs, or for a full disk (or quota)
+    while writing, else None."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"no space left on the device{where} ({error.strerror}); make room there and run again (with "
+                f"--resume to continue a run from its last checkpoint)")
     text = str(error)
     if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or "RESOURCE_EXHAUSTED" not in text:
         return None

@@ -144,3 +144,17 @@ def test_running_out_of_memory_in_a_program_is_one_line(monkeypatch, capsys):
     assert cli.main(["check-grads", "--task", "maml"]) == 2
     one_line_error(capsys.readouterr().err, "metatrain check-grads: error: out of memory",
                    "Out of memory allocating 320313613584 bytes", "smaller batches")
+
+
+def test_a_full_disk_while_writing_is_one_line(monkeypatch, capsys):
+    import errno
+
+    from metatrain.cli import check
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.jsonl")
+
+    monkeypatch.setattr(check, "cmd_check_grads", full)
+    assert cli.main(["check-grads", "--task", "maml"]) == 2
+    one_line_error(capsys.readouterr().err, "metatrain check-grads: error: no space left on the device writing "
+                   "runs/x/metrics.jsonl (No space left on device); make room there and run again")

@@ -427,3 +427,21 @@ def test_a_workdir_that_is_a_file(tmp_path, capsys):
     code, _, err = _train([f"workdir={tmp_path / 'afile'}"], capsys)
     assert code == 2
     one_line_error(err, f"workdir: '{tmp_path / 'afile'}' is a file")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_run_resumes(shared_run, tmp_path):
+    """A full disk while a checkpoint was written gave about a thousand lines of Orbax, asyncio and TensorStore
+    tracebacks. Here a file size limit stands in for it (its writes fail alike, without root or a small file system):
+    one line naming the newest intact checkpoint, the half-written one removed, and the run resumes from it."""
+    workdir = _copy(shared_run, tmp_path)
+    run = [sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={workdir}", "log.wandb=false", "steps=6"]
+    # ulimit -f: files of at most 16 KiB; SIGXFSZ ignored, so a longer write fails (EFBIG) instead of killing
+    limited = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; exec "$@"', "bash", *run,
+                              "checkpoint_every=1", "--resume"], env=env(), capture_output=True, text=True)
+    assert limited.returncode == 2, limited.stderr[-3000:]
+    one_line_error(limited.stderr, "checkpoint 5 could not be written in", "(File too large)",
+                   "checkpoint 4 is the newest intact one", "run again with --resume")
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    res = subprocess.run([*run, "--resume"], env=env(), capture_output=True, text=True)
+    assert res.returncode == 0 and checkpoints(workdir)[-1] == 6, res.stderr[-3000:]
