@@ -229,23 +229,25 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     paths.output_dir(out, "export --out", not_written_here, overwrite, source=(src, "the source"))
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
-    if fmt == "hf" and adapters:  # the PEFT format, for the base model the run started from
-        lora, base = info["lora"], info["base"]
-        files = hf.write_adapters(out, _pure(exported.params), lora["rank"], lora["alpha"],
-                                  base.removeprefix(HF_PREFIX) if base.startswith(HF_PREFIX) else base)
-    elif fmt == "hf":
-        if exported.model is None:
-            raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
-                              f"use --format orbax")
-        files = hf.write(out, exported.model, _pure(exported.params), info.get("hf_config"), info.get("tokenizer_dir"))
-    else:
-        with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
-            checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
-        payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
-        payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
-        with open(os.path.join(out, "export.json"), "w") as f:
-            json.dump(payload, f, indent=1)
-        files = ["params/", "export.json", *hf.copy_tokenizer(info.get("tokenizer_dir"), out)]
+    if fmt == "hf" and not adapters and exported.model is None:
+        raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
+                          f"use --format orbax")
+    with paths.filled_dir(out):  # an error or a signal while writing takes out what was written (a full disk)
+        if fmt == "hf" and adapters:  # the PEFT format, for the base model the run started from
+            lora, base = info["lora"], info["base"]
+            files = hf.write_adapters(out, _pure(exported.params), lora["rank"], lora["alpha"],
+                                      base.removeprefix(HF_PREFIX) if base.startswith(HF_PREFIX) else base)
+        elif fmt == "hf":
+            files = hf.write(out, exported.model, _pure(exported.params), info.get("hf_config"),
+                             info.get("tokenizer_dir"))
+        else:
+            with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
+                checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
+            payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
+            payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
+            with open(os.path.join(out, "export.json"), "w") as f:
+                json.dump(payload, f, indent=1)
+            files = ["params/", "export.json", *hf.copy_tokenizer(info.get("tokenizer_dir"), out)]
     origin = f"{info.get('kind')}, step {info['step']}" if info.get("step") is not None else (
         f"imported from {info['source']}" if info.get("source") else info.get("kind"))
     return out, f"{info.get('what', 'inner')} parameters ({origin}): " + ", ".join(
@@ -272,12 +274,13 @@ def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, M
     cfg, params = hf.read(directory)
     _, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, params)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(out, "params"), state, force=True)
-    with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"kind": "import", "what": "inner", "source": directory,
-                   "model": dataclasses.asdict(cfg), "hf_config": hf.read_config(directory)}, f, indent=1)
-    hf.copy_tokenizer(directory, out)
+    with paths.filled_dir(out):  # an error or a signal while writing takes out what was written (a full disk)
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(os.path.join(out, "params"), state, force=True)
+        with open(os.path.join(out, "export.json"), "w") as f:
+            json.dump({"kind": "import", "what": "inner", "source": directory,
+                       "model": dataclasses.asdict(cfg), "hf_config": hf.read_config(directory)}, f, indent=1)
+        hf.copy_tokenizer(directory, out)
     return out, cfg
 
 

@@ -2,8 +2,8 @@
 
 Each command group registers its own subcommands (`run`, `check`, `bench`, `data`). A problem with the
 user's input (`MetatrainError`: a config field, a task, a data source, a work dir) is printed as one
-line naming what to change, with exit code 2, and so is XLA running out of memory while a program runs;
-anything else keeps its traceback. SIGTERM (a scheduler,
+line naming what to change, with exit code 2, and so are XLA running out of memory while a program runs and a
+write that a full disk refused; anything else keeps its traceback. SIGTERM (a scheduler,
 `timeout`, `docker stop`) stops a command as Ctrl-C does: what it was writing is cleaned up, and it exits 128 +
 the signal's number.
 """
@@ -14,6 +14,7 @@ import argparse
 import errno
 import gc
 import os
+import re
 import signal
 import sys
 import threading
@@ -104,14 +105,20 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
     return seen
 
 
+FULL = ("No space left on device", "Disk quota exceeded", "File too large")  # a write the disk (or a limit) refused
+
+
 def _out_of_memory(error: BaseException) -> str | None:
-    """One line for XLA running out of device (or host) memory while a program runs, or for a full disk (or quota)
-    while writing, else None."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = f" writing {error.filename}" if error.filename else ""
-        return (f"no space left on the device{where} ({error.strerror}); make room there and run again (with "
-                f"--resume to continue a run from its last checkpoint)")
+    """One line for XLA running out of device (or host) memory while a program runs, or for a write that a full disk
+    (a quota, a file size limit) refused, else None."""
+    again = "make room there and run again (with --resume to continue a run from its last checkpoint)"
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"writing {error.filename or 'a file'} failed ({error.strerror}); {again}"
     text = str(error)
+    why = next((why for why in FULL if why in text), None)
+    if why:  # TensorStore's (Orbax's writes): "... Error writing local file \"PATH\": ... No space left on device"
+        file = re.search(r'local file "([^"]+)"', text) or re.search(r'Failed writing:? "([^"]+)"', text)
+        return f"writing {file.group(1) if file else 'a file'} failed ({why}); {again}"
     if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or "RESOURCE_EXHAUSTED" not in text:
         return None
     said = " ".join(text.split("RESOURCE_EXHAUSTED:", 1)[1].split())[:200]

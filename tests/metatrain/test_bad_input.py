@@ -156,5 +156,5 @@ def test_a_full_disk_while_writing_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(check, "cmd_check_grads", full)
     assert cli.main(["check-grads", "--task", "maml"]) == 2
-    one_line_error(capsys.readouterr().err, "metatrain check-grads: error: no space left on the device writing "
-                   "runs/x/metrics.jsonl (No space left on device); make room there and run again")
+    one_line_error(capsys.readouterr().err, "metatrain check-grads: error: writing runs/x/metrics.jsonl failed (No "
+                   "space left on device); make room there and run again")

@@ -4,10 +4,12 @@ hang, a wrong file or lost files."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from helpers import cli_run as _main
-from helpers import one_line_error
+from helpers import env, one_line_error
 
 from metatrain import cli
 
@@ -211,3 +213,17 @@ def test_sigterm_stops_a_command_like_ctrl_c():
 def _with_fn(args, fn):
     args.fn = fn
     return args
+
+
+def test_export_that_cannot_write_is_one_line_and_leaves_nothing(shared_run, tmp_path):
+    """A full disk while `export` wrote gave Orbax's traceback and left a half-written `params.orbax-checkpoint-tmp`
+    in OUT. A file size limit stands in for the full disk (its writes fail alike, without root)."""
+    out = tmp_path / "sub" / "export"
+    # ulimit -f: files of at most 4 KiB; SIGXFSZ ignored, so a longer write fails (EFBIG) instead of killing
+    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
+                          "metatrain.cli", "export", str(shared_run["workdir"]), "--out", str(out)],
+                         env=env(), capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_line_error(res.stderr, f"metatrain export: error: writing {out}/params.orbax-checkpoint-tmp/",
+                   "failed (File too large); make room there and run again")
+    assert not (tmp_path / "sub").exists()
