@@ -120,7 +120,12 @@ def staged_file(path: str):
     tmp, first = f"{path}.tmp", _first_missing(os.path.dirname(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if e.filename is None:  # a write to the open file (a full disk): name the file it was for
+                raise OSError(e.errno, e.strerror, path) from e
+            raise
         os.replace(tmp, path)
         first = None
     finally:
@@ -146,12 +151,14 @@ def filled_dir(path: str):
     os.makedirs(path, exist_ok=True)
     try:
         yield path
-    except BaseException:
+    except BaseException as e:
         if first:
             remove(first)
         else:
             for name in set(os.listdir(path)) - before:
                 remove(os.path.join(path, name))
+        if isinstance(e, OSError) and e.filename is None:  # a write to an open file (a full disk): name the folder
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from helpers import leaves, saved_state
 
 from metatrain import cli, config, models, paths
@@ -48,3 +49,18 @@ def test_an_export_dir_given_relative_is_read(shared_run, tmp_path, monkeypatch)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), theta)
     for x, y in zip(leaves(load_params("base", target)), leaves(theta)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_write_a_full_disk_refused_names_the_output_and_leaves_nothing(tmp_path):
+    """A full disk fails `f.write` with an OSError that names no file; the command's one line names its output."""
+    import errno
+
+    out = tmp_path / "new" / "scores.jsonl"
+    with pytest.raises(OSError) as raised, paths.staged_file(str(out)) as tmp:
+        open(tmp, "w").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert raised.value.filename == str(out) and raised.value.errno == errno.ENOSPC
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(OSError) as raised, paths.filled_dir(str(tmp_path / "dir")):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert raised.value.filename == str(tmp_path / "dir") and not (tmp_path / "dir").exists()
