@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -20,6 +21,7 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
+from metatrain import paths
 from metatrain import workdir as workdir_lib
 from metatrain.errors import ConfigError, DataError, TrainingError
 
@@ -182,10 +184,11 @@ class Checkpoints:
             _DAMAGED.add(str(path))
         drop_stray_read_errors()
         for path in half if jax.process_index() == 0 else []:
-            try:
-                path.rmtree()
-            except Exception:  # noqa: BLE001 — a write still in flight; the next run's Orbax skips it
-                pass
+            if paths.is_remote(str(path)):
+                with contextlib.suppress(Exception):  # else the next run's Orbax skips it
+                    path.rmtree()
+            else:
+                paths.remove_settled(str(path))  # the failed save's other writes may still be landing
         self.failed = True
         text = str(error)
         reason = next((why for why in ("No space left on device", "Disk quota exceeded", "File too large",

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 
 
 def is_remote(path: str) -> bool:
@@ -113,6 +114,17 @@ def remove(path: str) -> None:
             os.remove(path)
 
 
+def remove_settled(path: str, settle: float = 0.2, limit: float = 5.0) -> None:
+    """`remove`, again until nothing has written `path` for `settle` seconds (at most `limit`): after a failed
+    Orbax write, TensorStore's other writes may still be landing in it (and making its folders again)."""
+    deadline = time.monotonic() + limit
+    while True:
+        remove(path)
+        time.sleep(settle)
+        if not os.path.lexists(path) or time.monotonic() > deadline:
+            return
+
+
 @contextlib.contextmanager
 def staged_file(path: str):
     """Write `path` through `path.tmp`: the block writes the temporary file, which replaces `path` at the end; an
@@ -153,10 +165,10 @@ def filled_dir(path: str):
         yield path
     except BaseException as e:
         if first:
-            remove(first)
+            remove_settled(first)
         else:
             for name in set(os.listdir(path)) - before:
-                remove(os.path.join(path, name))
+                remove_settled(os.path.join(path, name))
         if isinstance(e, OSError) and e.filename is None:  # a write to an open file (a full disk): name the folder
             raise OSError(e.errno, e.strerror, path) from e
         raise
