@@ -183,12 +183,13 @@ class Checkpoints:
         for path in half:
             _DAMAGED.add(str(path))
         drop_stray_read_errors()
-        for path in half if jax.process_index() == 0 else []:
-            if paths.is_remote(str(path)):
-                with contextlib.suppress(Exception):  # else the next run's Orbax skips it
-                    path.rmtree()
-            else:
-                paths.remove_settled(str(path))  # the failed save's other writes may still be landing
+        if jax.process_index() == 0:
+            for path in half:
+                if paths.is_remote(str(path)):
+                    with contextlib.suppress(Exception):  # else the next run's Orbax skips it
+                        path.rmtree()
+            # the failed save's other writes may still be landing
+            paths.remove_settled(*(str(path) for path in half if not paths.is_remote(str(path))))
         self.failed = True
         text = str(error)
         reason = next((why for why in ("No space left on device", "Disk quota exceeded", "File too large",

@@ -114,14 +114,16 @@ def remove(path: str) -> None:
             os.remove(path)
 
 
-def remove_settled(path: str, settle: float = 0.2, limit: float = 5.0) -> None:
-    """`remove`, again until nothing has written `path` for `settle` seconds (at most `limit`): after a failed
-    Orbax write, TensorStore's other writes may still be landing in it (and making its folders again)."""
+def remove_settled(*paths: str, settle: float = 0.2, limit: float = 5.0) -> None:
+    """`remove` each path, again until nothing has written any of them for `settle` seconds (at most `limit`): after
+    a failed Orbax write, TensorStore's other writes may still be landing in them (and making their folders again)."""
     deadline = time.monotonic() + limit
-    while True:
-        remove(path)
+    while paths:
+        for path in paths:
+            remove(path)
         time.sleep(settle)
-        if not os.path.lexists(path) or time.monotonic() > deadline:
+        paths = [path for path in paths if os.path.lexists(path)]
+        if time.monotonic() > deadline:
             return
 
 
@@ -164,11 +166,7 @@ def filled_dir(path: str):
     try:
         yield path
     except BaseException as e:
-        if first:
-            remove_settled(first)
-        else:
-            for name in set(os.listdir(path)) - before:
-                remove_settled(os.path.join(path, name))
+        remove_settled(*([first] if first else [os.path.join(path, name) for name in set(os.listdir(path)) - before]))
         if isinstance(e, OSError) and e.filename is None:  # a write to an open file (a full disk): name the folder
             raise OSError(e.errno, e.strerror, path) from e
         raise
