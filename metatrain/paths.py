@@ -13,6 +13,9 @@ import os
 import shutil
 import time
 
+# How a write the disk refused is worded (strerror of ENOSPC, EDQUOT, EFBIG), also inside TensorStore's errors
+WRITE_REFUSED = ("No space left on device", "Disk quota exceeded", "File too large")
+
 
 def is_remote(path: str) -> bool:
     """gs://... and other URL-style paths (read and written through etils.epath, as Orbax does)."""

@@ -105,17 +105,16 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
     return seen
 
 
-_FULL = ("No space left on device", "Disk quota exceeded", "File too large")  # a write the disk (or a limit) refused
-
-
 def _out_of_room(error: BaseException) -> str | None:
     """One line for XLA running out of device (or host) memory while a program runs, or for a write that a full disk
     (a quota, a file size limit) refused, else None."""
     again = "make room there and run again (with --resume to continue a run from its last checkpoint)"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"writing {error.filename or 'a file'} failed ({error.strerror}); {again}"
+    from metatrain.paths import WRITE_REFUSED
+
     text = str(error)
-    why = next((why for why in _FULL if why in text), None)
+    why = next((why for why in WRITE_REFUSED if why in text), None)
     if why:  # TensorStore's (Orbax's writes): "... Error writing local file \"PATH\": ... No space left on device"
         file = re.search(r'local file "([^"]+)"', text) or re.search(r'Failed writing:? "([^"]+)"', text)
         return f"writing {file.group(1) if file else 'a file'} failed ({why}); {again}"
