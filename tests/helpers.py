@@ -20,7 +20,6 @@ TINY = ["task=loss_weighting", "model.n_layers=1", "model.d_model=16", "model.n_
         "eval_batches=1", "eval_every=100000", "log_every=1", "inner_lr=0.01"]
 
 
-
 def cuda_plugin_path() -> str | None:
     """Where JAX's CUDA plugin imports from: "" where it is installed here, the checkout's .cuda_plugin folder where
     CI put it (.ci/run), else None."""
@@ -37,6 +36,7 @@ def cuda_plugin_path() -> str | None:
     built = [os.path.basename(d).removesuffix(".dist-info").split("-")[1]
              for d in glob.glob(os.path.join(folder, "jax_cuda1*_plugin-*.dist-info"))]
     return folder if os.path.isdir(os.path.join(folder, "jax_plugins")) and jaxlib.__version__ in built else None
+
 
 def env(devices: int | None = 1, **extra) -> dict:
     """The environment of a metatrain subprocess: CPU with `devices` simulated devices (None: as the run's
