@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from metatrain import population
+from metatrain import collector, population
 from metatrain.config import Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig, device_features
 from metatrain.models import dense
@@ -330,7 +330,7 @@ def lower(program: Program) -> jax.stages.Lowered:
                    out_shardings=(program.state_shardings, replicated(program.mesh)))
     # the model splits its activations over the mesh as the batch (batch_sharded); on CPU its widening products'
     # weight gradients transpose the narrower operand (models.dense)
-    with jax.set_mesh(program.mesh), dense.cpu_products(_on_cpu(program)):
+    with jax.set_mesh(program.mesh), dense.cpu_products(_on_cpu(program)), collector.paused():
         return step.lower(abstract(program.state_shapes, program.state_shardings),
                           *batch_specs(program.data, program.mesh, program.members))
 

@@ -15,10 +15,11 @@ what it leaves behind.
   (5.8 -> 5.5 s, 3 runs each), for matrices of a few dozen rows. The same HLO dots; float results may differ in the
   last bits, as above.
 - The garbage collector of each pytest process (the controller and its workers, which live for the whole suite) is
-  set as the `metatrain` command sets its own (`cli.freeze_imported`): what is imported at start-up (JAX, Flax,
+  set as the `metatrain` command sets its own (`metatrain.collector`): what is imported at start-up (JAX, Flax,
   Orbax, pytest) is frozen out of its reach; and it collects the oldest generation only after 100,000 collections of
-  the younger ones instead of 10, because a worker's heap grows with every program it has traced and each full
-  collection rescans all of it (a sixth of the suite's tests, one worker: 155 -> 145 CPU s; peak RSS unchanged, 3.7 GB).
+  the younger ones instead of 10 (the command: 100), because a worker's heap grows with every program it has traced
+  and each full collection rescans all of it (a sixth of the suite's tests, one worker: 155 -> 145 CPU s; peak RSS
+  unchanged, 3.7 GB).
 - The LLVM module of a program compiled as one piece (`parallel_codegen_split_count=1`): XLA:CPU splits it for
   codegen threads by default, which costs more CPU than it saves wall time when two workers already keep both
   cores busy (a tiny outer step: 7.0 -> 5.3 CPU s, median of 5). The HLO program is the same.
