@@ -105,10 +105,18 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
     return seen
 
 
-def _out_of_room(error: BaseException) -> str | None:
+# how a command that takes --resume continues after a failed write, by command
+RESUMES = {"train": "the run from its last checkpoint", "pretrain": "the run from its last checkpoint",
+           "bench": "with the rows already measured"}
+
+
+def _out_of_room(error: BaseException, command: str = "") -> str | None:
     """One line for XLA running out of device (or host) memory while a program runs, or for a write that a full disk
-    (a quota, a file size limit) refused, else None."""
-    again = "make room there and run again (with --resume to continue a run from its last checkpoint)"
+    (a quota, a file size limit) refused, else None. `command`: the one that ran (the hint names its --resume, if it
+    has one)."""
+    again = "make room there and run again"
+    if command in RESUMES:
+        again += f" (with --resume to continue {RESUMES[command]})"
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"writing {error.filename or 'a file'} failed ({error.strerror}); {again}"
     from metatrain.paths import WRITE_REFUSED
@@ -163,7 +171,7 @@ def main(argv=None) -> int:
     except Exception as e:
         stop = _stop_behind(e)
         if stop is None:
-            said = _out_of_room(e)
+            said = _out_of_room(e, args.command if getattr(args, "resume", None) is not None else "")
             if said is None:
                 raise
             print(f"metatrain {args.command}: error: {said}", file=sys.stderr)

@@ -149,12 +149,19 @@ def test_running_out_of_memory_in_a_program_is_one_line(monkeypatch, capsys):
 def test_a_full_disk_while_writing_is_one_line(monkeypatch, capsys):
     import errno
 
-    from metatrain.cli import check
+    from metatrain.cli import check, run
 
     def full(args):
         raise OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.jsonl")
 
     monkeypatch.setattr(check, "cmd_check_grads", full)
     assert cli.main(["check-grads", "--task", "maml"]) == 2
-    one_line_error(capsys.readouterr().err, "metatrain check-grads: error: writing runs/x/metrics.jsonl failed (No "
-                   "space left on device); make room there and run again")
+    err = capsys.readouterr().err
+    one_line_error(err, "metatrain check-grads: error: writing runs/x/metrics.jsonl failed (No space left on device); "
+                   "make room there and run again")
+    assert "--resume" not in err  # check-grads has none
+    # a command that takes --resume says how it continues
+    monkeypatch.setattr(run, "cmd_train", full)
+    assert cli.main(["train", "steps=2"]) == 2
+    one_line_error(capsys.readouterr().err, "metatrain train: error: writing runs/x/metrics.jsonl failed",
+                   "make room there and run again (with --resume to continue the run from its last checkpoint)")

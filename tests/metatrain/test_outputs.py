@@ -226,4 +226,5 @@ def test_export_that_cannot_write_is_one_line_and_leaves_nothing(shared_run, tmp
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, f"metatrain export: error: writing {out}/params.orbax-checkpoint-tmp/",
                    "failed (File too large); make room there and run again")
+    assert "--resume" not in res.stderr  # export has none
     assert not (tmp_path / "sub").exists()
