@@ -27,6 +27,7 @@ import grain
 import numpy as np
 
 from metatrain.data.formats import FORMATS, TRAIN_ON, Encoder, Fields
+from metatrain.data.shuffle import EpochShuffleMapDataset
 from metatrain.data.sources import Tfds, open_source
 from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
 from metatrain.errors import ConfigError, DataError
@@ -181,7 +182,8 @@ def stream(docs, ids, encode: Encoder, *, seq_len: int, batch: int, seed: int, c
     # sources, possibly remote, keep a few reader threads
     threads = 4 if isinstance(docs, Tfds) else 0
     read = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=64 if threads else 1)
-    ds = ds.shuffle(seed=seed).repeat().map(_encoder(docs, encode, corrupt_fraction, seed)).to_iter_dataset(read)
+    ds = EpochShuffleMapDataset(ds, seed).repeat()  # grain's ds.shuffle(seed).repeat(), a whole epoch at a time
+    ds = ds.map(_encoder(docs, encode, corrupt_fraction, seed)).to_iter_dataset(read)
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={f: seq_len + 1 for f in SEQ_FEATURES})
     if shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
