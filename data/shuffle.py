@@ -15,7 +15,6 @@ import functools
 
 import grain
 import numpy as np
-from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
 
 BITS = 8  # the cipher's word: its block (2 words) is the 16 bits of the smallest domain grain uses
 DOMAIN = 1 << (2 * BITS)
@@ -100,8 +99,8 @@ class EpochShuffleMapDataset(grain.MapDataset):
         if 1 < length <= DOMAIN:
             shuffled = int(permutation(length, seed)[index_in_epoch])
         else:
-            shuffled = index_shuffle_module.index_shuffle(index_in_epoch, max_index=length - 1, seed=seed,
-                                                          rounds=ROUNDS)
+            shuffled = grain.experimental.index_shuffle(index_in_epoch, max_index=length - 1, seed=seed,
+                                                       rounds=ROUNDS)
         return shuffled + epoch * length
 
     def __getitem__(self, index):

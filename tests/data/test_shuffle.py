@@ -3,7 +3,6 @@
 import grain
 import numpy as np
 import pytest
-from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
 
 from metatrain.data.shuffle import DOMAIN, EpochShuffleMapDataset, permutation
 
@@ -15,7 +14,7 @@ def test_each_epochs_permutation_is_grains(n, seed):
     assert sorted(perm.tolist()) == list(range(n))  # a permutation
     indices = range(n) if n <= 1000 else np.random.default_rng(seed).integers(0, n, 200)
     assert [int(perm[i]) for i in indices] == [
-        index_shuffle_module.index_shuffle(int(i), max_index=n - 1, seed=seed, rounds=4) for i in indices]
+        grain.experimental.index_shuffle(int(i), max_index=n - 1, seed=seed, rounds=4) for i in indices]
 
 
 @pytest.mark.parametrize("n", [1, 5, 40, DOMAIN + 3])
