@@ -2,9 +2,9 @@
 
 JAX's tracing builds graphs of many small objects that reference counting frees on its own; each full
 collection meanwhile rescans every object alive (the traced program's included), a tenth of a short command's CPU
-time. So a command collects nothing while it imports its libraries (`paused` from the start, then `freeze`
-moves what was imported out of the collector's reach: it lives as long as the process), nor while it traces a
-program (`paused`); it collects as usual otherwise.
+time. So nothing is collected while the command line imports its libraries or while the outer step is traced
+(`paused`); a command then moves what was imported out of the collector's reach (`freeze`: it lives as long as the
+process) and runs full collections ten times more rarely from then on.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ GROUPS = (run, check, bench, data, experiment, generate)
 
 def freeze_imported() -> None:
     """Moves every object alive now (the modules imported so far: JAX, Flax, Optax, Orbax, ...) out of the garbage
-    collector's reach, for a process about to run one command, and turns collection on (`metatrain.collector`)."""
+    collector's reach, for a process about to run one command, and makes its full collections rarer
+    (`metatrain.collector.freeze`)."""
     collector.freeze()
 
 
