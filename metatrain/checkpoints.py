@@ -36,15 +36,17 @@ def leaf_shapes(tree) -> dict[str, tuple]:
             if hasattr(leaf, "shape")}
 
 
-def first_layout_difference(saved, target) -> str | None:
+def first_layout_difference(saved, target, target_is: str = "this run") -> str | None:
+    """The first parameter name or shape where `saved` (a checkpoint's metadata) and `target` differ, in words that
+    call the target `target_is`; None where they agree."""
     have, want = leaf_shapes(saved), leaf_shapes(target)
     for key, shape in want.items():
         if key not in have:
-            return f"the run's state has {key}, the checkpoint does not"
+            return f"{target_is} has {key}, the checkpoint does not"
         if have[key] != shape:
-            return f"{key} has shape {have[key]} in the checkpoint, {shape} in this run"
+            return f"{key} has shape {have[key]} in the checkpoint, {shape} in {target_is}"
     extra = sorted(set(have) - set(want))
-    return f"the checkpoint has {extra[0]}, this run's state does not" if extra else None
+    return f"the checkpoint has {extra[0]}, {target_is} does not" if extra else None
 
 
 class _NoItemMetadataFilter(logging.Filter):

@@ -25,7 +25,13 @@ from metatrain import config as config_lib
 from metatrain import models, paths
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
-from metatrain.checkpoints import drop_stray_read_errors, first_line, saved_tree, silence_failed_reads
+from metatrain.checkpoints import (
+    drop_stray_read_errors,
+    first_layout_difference,
+    first_line,
+    saved_tree,
+    silence_failed_reads,
+)
 from metatrain.config import Config
 from metatrain.data.tokenizer import HF_PREFIX, load_tokenizer
 from metatrain.errors import ConfigError, DataError, MetatrainError
@@ -127,8 +133,22 @@ class Run:
         return self.checkpoint.saved
 
     def part(self, key: str, target=None):
-        """One entry of the saved state on one device (or onto `target`'s shapes and shardings)."""
+        """One entry of the saved state on one device (or onto `target`'s shapes and shardings); one whose names or
+        shapes are not what the run's config.yaml builds is a one-line DataError."""
+        if key in self.saved:
+            self._check_layout(key)
         return self.checkpoint.part(key, target)
+
+    def _check_layout(self, key: str) -> None:
+        try:
+            expected = self.shapes.get(key)
+        except MetatrainError:  # the task cannot be built here (a user's module gone): read the checkpoint as saved
+            return
+        difference = expected is not None and first_layout_difference(self.saved[key], expected, "config.yaml")
+        if difference:
+            raise DataError(f"{self.workdir}: checkpoint {self.step} does not match the run's config.yaml "
+                            f"({key}: {difference}); was config.yaml changed "
+                            f"after the run? Put back the one the run wrote")
 
     def meta_training(self) -> Run:
         """This run, refused in one line unless it is a meta-training run (the commands that need a task's η)."""

@@ -175,6 +175,16 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("export of a run whose latest checkpoint is damaged", ["export", "r", "--out", "x"], None,
                      setup=damaged_latest, check=lambda d, o: json.loads((d / "x" / "export.json").read_text())[
                          "step"] == 1 and (d / "r" / "checkpoints" / "2").is_dir()))
+
+    def edited_config(d):  # the model's width changed in config.yaml after training: it no longer builds the checkpoint
+        local_copies(d)
+        config = d / "r" / "config.yaml"
+        config.write_text(config.read_text().replace("  d_model: 16\n", "  d_model: 32\n", 1))
+
+    for command in (["eval", "r"], ["export", "r", "--out", "x"], ["generate", "r", "--prompt", "a"]):
+        out.append(Probe(f"{command[0]} of a run whose config.yaml was edited", command,
+                         "does not match the run's config.yaml", setup=edited_config, absent=("x",)))
+
     out.append(Probe("a bare override word", ["train", "default", "steps"], "key=value"))
     out.append(Probe("a preset file that is not YAML", ["train", "my.yaml", *TINY], "is not valid YAML (line 2",
                      setup=lambda d: write(d / "my.yaml", "task: [maml\n"), user_files=("my.yaml",)))

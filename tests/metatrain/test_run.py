@@ -42,6 +42,30 @@ def test_opening_what_is_not_a_run_is_one_line(shared_run, tmp_path):
         Run.open(str(copy))
 
 
+def test_a_config_yaml_changed_after_the_run_is_one_line_before_anything_is_read(shared_run, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A config.yaml edited after training (here d_model 16 -> 32) no longer builds the checkpoint's model: each
+    command that reads the run says so in one line (it was Orbax's shape error from deep inside a restore, or, for
+    `export`, an export dir whose export.json described another model than its parameters)."""
+    from helpers import cli_run, one_line_error
+
+    copy = tmp_path / "run"
+    shutil.copytree(shared_run["workdir"], copy)
+    text = (copy / "config.yaml").read_text()
+    assert "  d_model: 16\n" in text
+    (copy / "config.yaml").write_text(text.replace("  d_model: 16\n", "  d_model: 32\n", 1))
+    monkeypatch.chdir(tmp_path)
+    for argv in (["eval", "run"], ["export", "run", "--out", "exported"], ["scores", "run", "--out", "s.jsonl"],
+                 ["generate", "run", "--prompt", "a", "--max-new-tokens", "1"]):
+        code, _, err = cli_run(capsys, *argv)
+        assert code == 2, err[-3000:]
+        one_line_error(err, "checkpoint 4 does not match the run's config.yaml", "in the checkpoint, (",
+                       "Put back the one the run wrote")
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written
+    with pytest.raises(DataError, match="meta: .* has shape .*16.* in the checkpoint, .*32.* in config.yaml"):
+        Run.open(str(copy)).part("meta")
+
+
 @pytest.mark.slow
 def test_a_pretrain_run_is_its_model(tmp_path):
     from helpers import train
