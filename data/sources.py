@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 from typing import Any, Protocol
 
@@ -295,6 +296,13 @@ class Tfds(Indexed):
         return self.source[i]
 
 
+def _tfds_name(spec: str) -> bool:
+    """Whether a source without a kind reads as a TFDS name (`c4`, `c4/en`, `c4/en:3.0.1`, `mnist:3.*.*`) or a path
+    (refused later, with a hint), rather than an unknown kind (`s3:bucket`, `gs://bucket/x`, `hf:org/name`)."""
+    _, colon, version = spec.partition(":")
+    return not colon or re.fullmatch(r"[\d*]+(\.[\d*]+)*", version) is not None
+
+
 def open_source(spec: str, *, split: str = "train", data_dir: str | None = None, text_field: str = "text",
                 id_field: str = "id", format: str = "", messages_field: str = "messages") -> Source:
     """The document source named by `spec`: a random-access sequence of documents with ids.
@@ -338,6 +346,10 @@ def open_source(spec: str, *, split: str = "train", data_dir: str | None = None,
         hint = f"write {guess}:{name}, or " if guess else "name its kind (jsonl:, parquet:, dir:, hf-disk:) or "
         raise DataError(f"data source {spec!r} is a path, not a dataset: {hint}make a TFDS dataset from it with "
                         f"`metatrain data build {name} --name NAME` and use tfds:NAME")
+    if not spec.startswith("tfds:") and not _tfds_name(spec):
+        hint = " (a remote file: copy it to this machine first)" if "://" in spec else ""
+        raise ConfigError(f"data source {spec!r}: unknown kind {kind!r}{hint}; a source is builtin, tfds:NAME, "
+                          f"jsonl:PATH_OR_GLOB, parquet:PATH_OR_GLOB, dir:PATH or hf-disk:PATH")
     from metatrain.data import tfds_source  # imports tensorflow_datasets, only when needed
 
     return Tfds(tfds_source.text_source(name, split, data_dir))

@@ -12,7 +12,7 @@ from metatrain.data.formats import Encoder
 from metatrain.data.pipeline import DataConfig, Streams, main_doc, stream
 from metatrain.data.sources import open_source
 from metatrain.data.tokenizer import load_tokenizer
-from metatrain.errors import DataError
+from metatrain.errors import ConfigError, DataError
 
 TEXTS = [f"document number {i} says {' '.join(['word'] * (i % 7 + 3))} and ends {i}." for i in range(40)]
 
@@ -96,6 +96,29 @@ def test_bad_sources_give_one_line_naming_the_source_or_field(tmp_path):
             src[0]
         message = str(e.value)
         assert "\n" not in message and all(n in message for n in needles), (spec, message)
+
+
+@pytest.mark.parametrize("spec,needles", [
+    ("s3:bucket/docs", ["'s3:bucket/docs'", "unknown kind 's3'", "jsonl:PATH_OR_GLOB"]),
+    ("gs://bucket/docs.jsonl", ["unknown kind 'gs'", "a remote file: copy it to this machine first"]),
+    ("hf:org/dataset", ["unknown kind 'hf'", "hf-disk:PATH"]),
+    ("json:docs.jsonl", ["unknown kind 'json'", "jsonl:PATH_OR_GLOB"]),
+])
+def test_a_source_of_an_unknown_kind_is_one_line_listing_the_kinds(spec, needles):
+    """It was read as a TFDS name ('TFDS dataset 's3:bucket/docs' is not prepared ... tfds build s3:bucket/docs')."""
+    with pytest.raises(ConfigError) as e:
+        open_source(spec)
+    assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+
+
+@pytest.mark.parametrize("spec", ["c4", "c4/en", "c4/en:3.0.1", "mnist:3.*.*", "tfds:anything:goes"])
+def test_tfds_names_with_a_config_or_version_still_reach_tfds(spec, monkeypatch):
+    from metatrain.data import tfds_source
+
+    asked = []
+    monkeypatch.setattr(tfds_source, "text_source", lambda name, split, data_dir: asked.append(name) or ["x"])
+    open_source(spec)
+    assert asked == [spec.removeprefix("tfds:")]
 
 
 @pytest.mark.parametrize("fmt,columns,needles", [
