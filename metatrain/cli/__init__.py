@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stopped(command: str, stop: KeyboardInterrupt) -> int:
     signum = getattr(stop, "signum", signal.SIGINT)
-    print(f"metatrain {command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    note = getattr(stop, "note", "")  # what a command that can continue kept, and how
+    print(f"metatrain {command}: stopped by {signal.Signals(signum).name}{'; ' * bool(note)}{note}", file=sys.stderr)
     return 128 + signum
 
 

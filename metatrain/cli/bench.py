@@ -54,9 +54,16 @@ def cmd_bench_memory(args) -> int:
     print(f"bench memory: grid={args.grid} on {where}, {len(configs) * len(chosen)} compiles of the Trainer's outer "
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
     done = common.read_rows(args.json) if args.resume else []
-    rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
-                      with_breakdown=args.breakdown or bool(args.timeline), done=done,
-                      save=(lambda rows: common.write_json(args.json, rows, quiet=True)) if args.json else None)
+    try:
+        rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
+                          with_breakdown=args.breakdown or bool(args.timeline), done=done,
+                          save=(lambda rows: common.write_json(args.json, rows, quiet=True)) if args.json else None)
+    except KeyboardInterrupt as stop:  # the stop's line says where the rows measured so far are
+        kept = len(common.read_rows(args.json)) if args.json else 0
+        if kept:
+            stop.note = (f"{kept} row{'s' * (kept > 1)} in {args.json}; the same command with --resume measures "
+                         f"the rest")
+        raise
     print(memory.table(rows, args.baseline))
     if args.breakdown or args.timeline:
         print()

@@ -119,6 +119,32 @@ def test_resume_keeps_measured_rows_and_compiles_the_rest(tmp_path, capsys):
     assert "--resume keeps the rows of the --json file: give --json PATH too" in capsys.readouterr().err
 
 
+def test_a_stop_says_which_rows_are_kept_and_how_to_measure_the_rest(tmp_path, capsys, monkeypatch):
+    """SIGTERM after the first of two rows: the file holds it, and the stop's line says so and names --resume (it
+    said only "stopped by SIGTERM")."""
+    import os
+    import signal
+
+    from metatrain.cli import common
+
+    out, write = tmp_path / "mem.json", common.write_json
+
+    def write_then_stop(path, payload, quiet=False):
+        write(path, payload, quiet)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(common, "write_json", write_then_stop)
+    argv = ["bench", "memory", *SMALL_FLAGS, "--json", str(out), "--variants", "mixflow+remat,mixflow+remat+save",
+            "--baseline", "mixflow+remat"]
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"metatrain bench: stopped by SIGTERM; 1 row in {out}; the same command with --resume measures the rest")
+    assert [r["variant"] for r in json.loads(out.read_text())] == ["mixflow+remat"]
+    monkeypatch.setattr(common, "write_json", write)
+    assert cli.main([*argv, "--resume"]) == 0
+    assert [r["variant"] for r in json.loads(out.read_text())] == ["mixflow+remat", "mixflow+remat+save"]
+
+
 @pytest.mark.slow
 def test_blockwise_variant_beside_dense(tmp_path):
     """`+blockwise` in a variant name profiles the blockwise model, in the dense baseline's ratio group;
