@@ -112,3 +112,20 @@ def test_a_dead_process_stops_the_others(tmp_path):
         assert procs[0].returncode != 0
         assert "another task died" in err or "unhealthy" in err, err[-3000:]
         assert waited < 120
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--processes", "0"], "argument --processes: must be >= 1, got 0"),
+    (["--devices", "two"], "argument --devices: 'two' is not a whole number"),
+    (["--port", "99999"], "argument --port: must be a TCP port, 1 to 65535 (0: a free one), got 99999"),
+    (["--port", "-1"], "argument --port: must be a TCP port"),
+    (["--grace", "-1"], "argument --grace: must be a number of seconds >= 0, got -1"),
+    (["--grace", "nan"], "argument --grace: must be a number of seconds >= 0, got nan"),
+])
+def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
+    """A port past 65535 was taken (and the job ran on another port than the one asked for); a negative grace too."""
+    with pytest.raises(SystemExit) as e:
+        local.main([*flags, "--", "train"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith(f"python -m metatrain.launch.local: error: {says}"), err
