@@ -82,7 +82,8 @@ def read_template(directory: str, path: str = "") -> str:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if not isinstance(template, str):
         raise ConfigError(f"{directory} has no chat template (chat_template.jinja, or chat_template in "
-                          "tokenizer_config.json); give one with data.chat_template=PATH")
+                          "tokenizer_config.json); give a template file: data.chat_template=PATH to train, "
+                          "--chat-template PATH to generate or for data stats")
     return template
 
 

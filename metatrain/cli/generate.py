@@ -118,10 +118,18 @@ def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
 
 
 def cmd_generate(args) -> int:
+    from metatrain import paths
+    from metatrain.errors import ConfigError
     from metatrain.generation import model as model_of
     from metatrain.models import decode
 
+    if args.stop == "":
+        raise ConfigError("generate --stop: the text is empty; give the text to cut each completion at")
     cfg, params, tok, template, context = _model(args.src, args.what, args.tokenizer)
+    if args.chat_template:  # the given template, over a run's data.chat_template and the tokenizer's
+        template = paths.local(args.chat_template)
+        if not os.path.isfile(template):
+            raise ConfigError(f"generate --chat-template: {template} not found; give a Jinja chat template file")
     prompts = _prompts(args)
     ids = _encode(prompts, tok, args, template)
     _check_sizes(cfg, ids, args, context)
@@ -185,6 +193,8 @@ def register(sub) -> None:
                                                      "the output is JSON lines too")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template (a "
                                                        "run's data.chat_template, else the tokenizer's)")
+    p.add_argument("--chat-template", metavar="FILE", default="",
+                   help="a Jinja chat template file (default: a run's data.chat_template, else the tokenizer's)")
     p.add_argument("--what", choices=["inner", "baseline"], default=None,
                    help="a run's inner model (default) or its uniform baseline's")
     p.add_argument("--tokenizer", default=None, help="default: the source's (hf:DIR, or the run's encoding)")

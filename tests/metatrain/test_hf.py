@@ -278,7 +278,24 @@ def test_generate_command_prints_the_models_greedy_text(checkpoints, tmp_path, c
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 2 and rows[0]["prompt"] == prompt and rows[0]["completion"] == text[:text.index(text[3:6])]
     assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat"]) == 2
-    one_line_error(capsys.readouterr().err, "no chat template")
+    one_line_error(capsys.readouterr().err, "no chat template", "--chat-template PATH to generate")
+    # a template given as a file renders the prompt as transformers does with it
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"
+    (tmp_path / "t.jinja").write_text(template)
+    ids = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        [{"role": "user", "content": prompt}], chat_template=template, add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]
+    new = hf.load(str(directory)).generate([list(ids)], max_new_tokens=8)[0]
+    assert cli.main(["generate", f"hf:{directory}", "--prompt", prompt, "--chat", "--chat-template",
+                     str(tmp_path / "t.jinja"), "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == tok.decode([t for t in new if t != tok.eot]) + "\n"
+    for flags, says in ((["--chat-template", str(tmp_path / "none.jinja")], "generate --chat-template"),
+                        (["--stop", ""], "generate --stop")):
+        assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat", *flags]) == 2
+        one_line_error(capsys.readouterr().err, says)
 
 
 def test_generate_stops_on_every_eos_id_and_within_the_models_context(checkpoints, tmp_path, capsys):
