@@ -47,6 +47,18 @@ def on_one_device(shapes):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
 
 
+def _what_else(workdir: str) -> str:
+    """What a dir without checkpoints holds instead, in words that say what to give (the end of an error line)."""
+    has = lambda name: os.path.isfile(os.path.join(workdir, name))
+    if has("config.json") and has("model.safetensors"):
+        return (f"it holds a Hugging Face model (config.json, model.safetensors); give it as hf:{workdir} to "
+                f"`metatrain generate` or inner.init_from")
+    if has("adapter_config.json"):
+        return ("it holds LoRA adapters (adapter_config.json); give the run they came from, or its merged model "
+                "(metatrain export RUN --format hf --out DIR, then hf:DIR)")
+    return f"it has no checkpoint (expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A work dir's latest checkpoint: its step, its state dir and the saved state's metadata tree."""
@@ -64,8 +76,7 @@ class Checkpoint:
             raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
         steps = workdir_lib.checkpoint_steps(workdir)
         if not steps:
-            raise DataError(f"{workdir} is not a metatrain run: it has no checkpoint "
-                            f"(expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)")
+            raise DataError(f"{workdir} is not a metatrain run: " + _what_else(workdir))
         damaged = []
         drop_stray_read_errors()
         for step in reversed(steps):

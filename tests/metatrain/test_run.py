@@ -35,6 +35,16 @@ def test_opening_what_is_not_a_run_is_one_line(shared_run, tmp_path):
         Run.open(str(tmp_path / "missing"))
     with pytest.raises(DataError, match="has no checkpoint"):
         Run.open(str(tmp_path))
+    for names, says in ((["config.json", "model.safetensors"], f"holds a Hugging Face model (config.json, "
+                         f"model.safetensors); give it as hf:{tmp_path / 'hf'} to `metatrain generate`"),
+                        (["adapter_config.json", "adapter_model.safetensors"], "holds LoRA adapters")):
+        folder = tmp_path / ("hf" if "config.json" in names else "adapters")  # as `export --format hf` writes them
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text("{}")
+        with pytest.raises(DataError, match="is not a metatrain run: it ") as e:
+            Run.open(str(folder))
+        assert says in str(e.value)
     copy = tmp_path / "copy"
     shutil.copytree(shared_run["workdir"], copy)
     os.remove(copy / "config.yaml")
