@@ -240,9 +240,15 @@ def _check_fills_a_batch(name: str, docs, ids, encode: Encoder, cfg: DataConfig,
         raise DataError(f"the {name} stream's {len(ids)} document(s) per data shard hold no text (every document is "
                         "empty); check data.text_field and the source's records")
     if say:
+        # the window shuffle after packing fills its window of rows before the first batch: from a few documents,
+        # by reading them thousands of times (each pass a few milliseconds), which looks like a hang
+        reads = cfg.shuffle_window * (cfg.seq_len + 1) / have if cfg.shuffle_window > 1 else 0
+        window = (f", and filling the shuffle window of {cfg.shuffle_window} rows reads them about {reads:,.0f} times "
+                  f"before the first batch" if reads >= 1000 else "")
         print(f"metatrain: warning: the {name} stream's {len(ids)} document(s) per data shard hold {have:,} tokens, "
               f"fewer than one batch ({cfg.batch // n_shards} rows x {cfg.seq_len + 1} = {need:,} tokens): every "
-              f"batch repeats them; add documents or lower data.batch / data.seq_len", file=sys.stderr)
+              f"batch repeats them{window}; add documents or lower data.batch / data.seq_len"
+              f"{' / data.shuffle_window' if window else ''}", file=sys.stderr)
 
 
 def _concat(batches: list[dict], axis: int) -> dict:

@@ -54,7 +54,9 @@ def cmd_data_stats(args) -> int:
 def cmd_data_bench(args) -> int:
     from metatrain.data.pipeline import Streams
 
-    streams = Streams(_data_config(args, seq_len=args.seq_len, batch=args.batch, inner_steps=args.inner_steps))
+    window = {} if args.shuffle_window is None else {"shuffle_window": args.shuffle_window}
+    streams = Streams(_data_config(args, seq_len=args.seq_len, batch=args.batch, inner_steps=args.inner_steps,
+                                   **window))
     streams.next()  # start-up (file listing, first reads) is not throughput
     tokens, start = 0, time.perf_counter()
     while time.perf_counter() - start < args.seconds:
@@ -122,6 +124,9 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=common.positive_int, default=1024)
     p.add_argument("--batch", type=common.positive_int, default=16)
     p.add_argument("--inner-steps", type=common.positive_int, default=2)
+    p.add_argument("--shuffle-window", type=common.positive_int, default=None,
+                   help="packed rows are shuffled within windows of this many rows (data.shuffle_window; default: "
+                        "its default)")
     p.add_argument("--seconds", type=common.positive_float, default=10.0)
     p.set_defaults(fn=cmd_data_bench)
     p = data.add_parser("make-noisy", help="the built-in corpus with labelled realistic defects, a clean trusted set "

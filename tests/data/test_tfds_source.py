@@ -57,7 +57,9 @@ def test_an_unprepared_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, 
     assert list(temp.iterdir()) == [] and tempfile.gettempdir() == str(temp)
 
 
-def test_pipeline_reads_the_built_dataset(tmp_path, capsys):
+def test_pipeline_reads_the_built_dataset(tmp_path, capsys, monkeypatch):
+    from metatrain.data import pipeline
+
     src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
     tfds_source.build_text_dataset([str(src)], "pipe_docs", str(data_dir))
     assert cli.main(["data", "stats", "--source", "tfds:pipe_docs", "--data-dir", str(data_dir),
@@ -66,6 +68,13 @@ def test_pipeline_reads_the_built_dataset(tmp_path, capsys):
     assert cli.main(["data", "bench", "--source", "tfds:pipe_docs", "--data-dir", str(data_dir), "--seq-len", "32",
                      "--batch", "4", "--seconds", "0.5", "--vocab-size", "1024"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("tokens/s")
+    windows, streams = [], pipeline.Streams.__init__
+    monkeypatch.setattr(pipeline.Streams, "__init__", lambda self, cfg, *a: windows.append(cfg.shuffle_window) or
+                        streams(self, cfg, *a))
+    for flags in ([], ["--shuffle-window", "8"]):
+        assert cli.main(["data", "bench", "--source", "tfds:pipe_docs", "--data-dir", str(data_dir), "--seq-len",
+                         "32", "--batch", "4", "--seconds", "0.1", "--vocab-size", "1024", *flags]) == 0
+    assert windows == [pipeline.DataConfig.shuffle_window, 8]
 
 
 def test_failed_build_leaves_nothing_readable(tmp_path, monkeypatch):
@@ -130,3 +139,13 @@ def test_a_corpus_smaller_than_one_batch_is_said_with_the_figures(tmp_path, caps
     assert "warning: the inner stream's 10 document(s) per data shard hold 1,768 tokens, fewer than one batch " \
            "(64 rows x 65 = 4,160 tokens)" in err
     assert "the outer stream's 2 document(s)" in err and "the validation stream's 1 document(s)" in err
+    assert "shuffle window" not in err  # 2048 rows x 65 tokens: about 75 reads of the 1,768
+    # rows of 1,025 tokens: filling the window of 2048 rows reads the inner stream's documents 2048 x 1025 / 1768
+    # times (it looked like a hang: `data bench` of a 30-document corpus had not started after 3 minutes)
+    for window, says in ((2048, True), (1, False)):
+        Streams(DataConfig(source="tfds:few_docs", data_dir=str(data_dir), vocab_size=1024, seq_len=1024, batch=2,
+                           shuffle_window=window), 0, 1)
+        err = capsys.readouterr().err
+        assert ("hold 1,768 tokens, fewer than one batch (2 rows x 1025 = 2,050 tokens): every batch repeats them, "
+                "and filling the shuffle window of 2048 rows reads them about 1,187 times before the first batch; "
+                "add documents or lower data.batch / data.seq_len / data.shuffle_window" in err) == says, err
