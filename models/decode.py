@@ -90,18 +90,50 @@ def cache_bytes(cfg, prompts: int, tokens: int) -> int:
     return 2 * cfg.n_layers * prompts * tokens * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.activation_dtype).itemsize
 
 
+def _prompt_tokens(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts left-padded into one array [batch, longest] and their lengths, after checking every argument:
+    a ValueError in one line where one is out of its range (an id past the vocabulary would be read as another)."""
+    if cfg.head != "lm":
+        raise ValueError("generate: a model with a score head has no next-token logits")
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("generate: prompts is text; give a list of prompts, each a list of token ids (encode the "
+                         "text with the model's tokenizer first)")
+    if len(prompts) == 0 or any(len(x) == 0 for x in prompts):
+        raise ValueError("generate: give at least one prompt, each of at least one token")
+    text = next((i for i, x in enumerate(prompts) if isinstance(x, (str, bytes))), None)
+    if text is not None:
+        raise ValueError(f"generate: prompt {text} is text; prompts are lists of token ids (encode the text with "
+                         f"the model's tokenizer first)")
+    for name, value, ok, want in (("max_new_tokens", max_new_tokens, lambda v: v >= 1, "a whole number >= 1"),
+                                  ("temperature", temperature, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+                                  ("top_k", top_k, lambda v: v >= 0, "a whole number >= 0 (0: all tokens)"),
+                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
+        whole = name in ("max_new_tokens", "top_k")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer) if whole else (int, float, np.number)) \
+                or not ok(value):  # (NaN passes no check)
+            raise ValueError(f"generate: {name} must be {want}, got {value!r}")
+    lengths = np.asarray([len(x) for x in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for i, x in enumerate(prompts):
+        try:
+            ids = np.asarray(x)
+        except ValueError:
+            ids = np.asarray(None)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"generate: prompt {i} is not a list of token ids (whole numbers)")
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"generate: prompt {i} has token id {bad[0]}, outside the model's vocabulary of "
+                             f"{cfg.vocab_size} (0 to {cfg.vocab_size - 1})")
+        tokens[i, tokens.shape[1] - len(ids):] = ids
+    return tokens, lengths
+
+
 def stream(model, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int = 0, eos: int | list[int] | None = None, chunk: int = CHUNK):
     """`generate`, a chunk at a time: yields the new tokens of every prompt so far after each compiled call of up
     to `chunk` steps (the last yield is `generate`'s result), so a caller can stop between calls."""
-    if model.cfg.head != "lm":
-        raise ValueError("generate: a model with a score head has no next-token logits")
-    if not prompts or any(len(x) == 0 for x in prompts):
-        raise ValueError("generate: give at least one prompt, each of at least one token")
-    lengths = np.asarray([len(x) for x in prompts], np.int32)
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
-    for i, x in enumerate(prompts):
-        tokens[i, tokens.shape[1] - len(x):] = x
+    tokens, lengths = _prompt_tokens(model.cfg, prompts, max_new_tokens, temperature, top_k, top_p)
     eos_ids = jnp.asarray([-2] if eos is None else np.atleast_1d(eos), jnp.int32)
     sampling = dict(temperature=float(temperature), top_k=min(int(top_k), model.cfg.vocab_size), top_p=float(top_p))
     graphdef, state = nnx.split(model)

@@ -88,6 +88,35 @@ def test_stream_yields_between_compiled_chunks(shared_run):
     assert steps[-1] == decode.generate(model, prompts, 40, eos=[-5])
 
 
+def test_bad_arguments_of_the_python_api_are_one_line_before_anything_compiles(shared_run):
+    """`model.generate` (the API `hf.load` hands out): an id past the vocabulary was read as another token (JAX's
+    gather clamps it); a negative max_new_tokens died in `dynamic_update_slice`; text as a prompt in `int()`."""
+    from metatrain import export as export_lib
+    from metatrain.generation import model as model_of
+    from metatrain.run import Run
+
+    run = Run.open(str(shared_run["workdir"]))
+    model = model_of(run.model, export_lib._pure(export_lib.read_source(str(shared_run["workdir"]), "inner").params))
+    vocab = run.model.vocab_size
+    for prompts, options, says in [
+        ("hello", {}, "prompts is text; give a list of prompts, each a list of token ids"),
+        (["hello"], {}, "prompt 0 is text; prompts are lists of token ids (encode the text"),
+        ([[1], [2, vocab]], {}, f"prompt 1 has token id {vocab}, outside the model's vocabulary of {vocab}"),
+        ([[-1]], {}, "prompt 0 has token id -1, outside"),
+        ([[1.5]], {}, "prompt 0 is not a list of token ids (whole numbers)"),
+        ([[1]], {"max_new_tokens": -1}, "max_new_tokens must be a whole number >= 1, got -1"),
+        ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 1, got 2.5"),
+        ([[1]], {"temperature": -1.0}, "temperature must be a number >= 0 (0: greedy), got -1.0"),
+        ([[1]], {"temperature": float("nan")}, "temperature must be a number >= 0"),
+        ([[1]], {"top_k": -2}, "top_k must be a whole number >= 0"),
+        ([[1]], {"top_p": 0.0}, "top_p must be a number in (0, 1], got 0.0"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            model.generate(prompts, **options)
+        message = str(e.value)
+        assert message.startswith("generate: ") and says in message and "\n" not in message, (prompts, options)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsys, monkeypatch, sig):
     """10^5 new tokens with no end-of-text (the tokenizer's EOS ids replaced by one the model never emits): SIGINT
