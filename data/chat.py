@@ -123,6 +123,10 @@ class ChatTemplate:
     def __init__(self, directory: str, template: str = ""):
         from tokenizers import Tokenizer
 
+        if not os.path.isfile(os.path.join(directory, "tokenizer.json")):  # before its template, which is beside it
+            raise ConfigError(f"tokenizer hf:{directory}: " + ("no such directory" if not os.path.isdir(directory) else
+                                                               "no tokenizer.json in it") +
+                              "; give a Hugging Face model dir (or a metatrain import dir) holding tokenizer.json")
         self.source = read_template(directory, template)
         self.env = _environment()
         try:

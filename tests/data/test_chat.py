@@ -6,7 +6,7 @@ import random
 import pytest
 
 from metatrain.data import chat
-from metatrain.errors import DataError
+from metatrain.errors import ConfigError, DataError
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
@@ -105,3 +105,14 @@ def test_bad_conversations_are_one_line(tmp_path):
         with pytest.raises(DataError) as e:
             chat.encode(messages, f"hf:{tmp_path}")
         assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_tokenizer_dir_that_is_missing_or_has_no_tokenizer_json_is_named(tmp_path):
+    """It was "DIR has no chat template", whatever the dir held (or when there was none)."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match=f"tokenizer hf:{tmp_path / 'missing'}: no such directory; give a Hugging "
+                                          "Face model dir"):
+        chat.encode(messages, tokenizer=f"hf:{tmp_path / 'missing'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="empty: no tokenizer.json in it; give a Hugging Face model dir"):
+        chat.encode(messages, tokenizer=f"hf:{tmp_path / 'empty'}")
