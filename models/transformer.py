@@ -347,6 +347,11 @@ class Transformer(nnx.Module):
 
     def features(self, tokens, segment_ids=None, positions=None):
         """The final normalised hidden states, [batch, seq, d_model]."""
+        if isinstance(tokens, (list, tuple)):
+            tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):  # (static: no cost under jit)
+            raise ValueError(f"the model takes token ids, integers [batch, seq]; got {tokens.dtype} of shape "
+                             f"{tuple(tokens.shape)}")
         b, s = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)

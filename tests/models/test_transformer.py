@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +206,15 @@ def test_chunked_loss_equals_whole_sequence_logits_with_its_derivatives():
 def test_loss_chunk_must_not_be_negative():
     with pytest.raises(ConfigError, match="loss_chunk"):
         models.preset("tiny", loss_chunk=-1)
+
+
+def test_the_model_takes_integer_token_ids_batch_by_seq_and_says_so_otherwise():
+    """Floats died in `jnp.take` ("indices must have an integer type"), one sequence without its batch axis in an
+    unpacking ("not enough values to unpack")."""
+    model = models.Transformer(models.ModelConfig(vocab_size=32, d_model=16, n_heads=2, d_ff=32, n_layers=1),
+                               rngs=nnx.Rngs(params=0))
+    assert model([[1, 2, 3]]).shape == model(np.array([[1, 2, 3]], np.int32)).shape == (1, 3, 32)
+    for tokens, says in ((np.ones((1, 4)), "got float64 of shape (1, 4)"),
+                         (np.ones(4, np.int32), "got int32 of shape (4,)")):
+        with pytest.raises(ValueError, match=r"the model takes token ids, integers \[batch, seq\]; " + re.escape(says)):
+            model(tokens)
