@@ -111,21 +111,22 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     docs = tokens = 0
     tic = time.perf_counter()
     unit = "B" if kind == "jsonl" else " docs"
-    with open(out_path, "wb") as f, tqdm(total=mine.size, desc="scoring", unit=unit, unit_scale=kind == "jsonl",
-                                         file=sys.stderr, disable=not show, mininterval=1.0) as bar:
+    bar = tqdm(total=mine.size, desc="scoring", unit=unit, unit_scale=kind == "jsonl", file=sys.stderr,
+               disable=not show, mininterval=1.0)
+    with paths.naming(out_path), open(out_path, "wb") as f, bar:
         buffer = []
         for rec, n_tokens, score, where in score_stream(fn, meta, records.read(kind, files, mine, fields), encode,
                                                         run.cfg.data.seq_len, score_batch, max_rows):
             buffer.append((rec.file, rec.offset, score, n_tokens))
             docs, tokens = docs + 1, tokens + n_tokens
             if len(buffer) >= 4096:
-                np.asarray(buffer, SCORE_DTYPE).tofile(f)
+                f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
                 buffer.clear()
                 seconds = max(time.perf_counter() - tic, 1e-9)
                 bar.set_postfix_str(f"{docs / seconds:,.0f} docs/s, {tokens / seconds:,.0f} tokens/s", refresh=False)
             bar.update(where - bar.n)
         if buffer:
-            np.asarray(buffer, SCORE_DTYPE).tofile(f)
+            f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
         bar.update(mine.size - bar.n)
     return docs, tokens
 
@@ -183,7 +184,7 @@ def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, fields
     name = f"part-{part:05d}.{kind}"
     path = os.path.join(out, name)
     if kind == "jsonl":
-        with open(path, "wb") as f:
+        with paths.naming(path), open(path, "wb") as f:
             for i, (rec, _) in enumerate(records.read(kind, files, mine, fields)):
                 if keep[i]:
                     f.write(rec.raw if rec.raw.endswith(b"\n") else rec.raw + b"\n")
@@ -191,17 +192,18 @@ def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, fields
     import pyarrow.parquet as pq
 
     writer, i = None, 0
-    try:
-        for k, g in mine.spans:
-            table = pq.ParquetFile(files[k]).read_row_group(g)
-            take = np.flatnonzero(keep[i:i + table.num_rows])
-            i += table.num_rows
-            if len(take):
-                writer = writer or pq.ParquetWriter(path, table.schema)
-                writer.write_table(table.take(take))
-    finally:
-        if writer is not None:
-            writer.close()
+    with paths.naming(path):
+        try:
+            for k, g in mine.spans:
+                table = pq.ParquetFile(files[k]).read_row_group(g)
+                take = np.flatnonzero(keep[i:i + table.num_rows])
+                i += table.num_rows
+                if len(take):
+                    writer = writer or pq.ParquetWriter(path, table.schema)
+                    writer.write_table(table.take(take))
+        finally:
+            if writer is not None:
+                writer.close()
     return name
 
 

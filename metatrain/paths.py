@@ -8,12 +8,15 @@ URL-style paths (`gs://...`) are left as they are.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import time
 
-# How a write the disk refused is worded (strerror of ENOSPC, EDQUOT, EFBIG), also inside TensorStore's errors
+# A write the disk refused (a full disk, a quota, a file size limit), and how it is worded (strerror), also inside
+# TensorStore's and Arrow's errors, which carry no errno
+REFUSED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 WRITE_REFUSED = ("No space left on device", "Disk quota exceeded", "File too large")
 
 
@@ -131,18 +134,29 @@ def remove_settled(*paths: str, settle: float = 0.2, limit: float = 5.0) -> None
 
 
 @contextlib.contextmanager
+def naming(path: str):
+    """A write to an open file that fails in the block (a full disk, a quota) is an OSError naming `path`: Python's
+    own name no file, so the error line could only say "writing a file failed"."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            worded = (code for code, why in zip(REFUSED_ERRNOS, WRITE_REFUSED) if why in str(e))
+            code = e.errno or next(worded, None)  # Arrow's: "... Detail: [errno 28] No space left on device"
+            if code is not None:
+                raise OSError(code, os.strerror(code) if code in REFUSED_ERRNOS else e.strerror, path) from e
+        raise
+
+
+@contextlib.contextmanager
 def staged_file(path: str):
     """Write `path` through `path.tmp`: the block writes the temporary file, which replaces `path` at the end; an
     error or a signal (KeyboardInterrupt) in the block removes it, so nothing half-written is ever left."""
     tmp, first = f"{path}.tmp", _first_missing(os.path.dirname(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        try:
+        with naming(path):  # the file it was for
             yield tmp
-        except OSError as e:
-            if e.filename is None:  # a write to the open file (a full disk): name the file it was for
-                raise OSError(e.errno, e.strerror, path) from e
-            raise
         os.replace(tmp, path)
         first = None
     finally:
