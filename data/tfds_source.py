@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow_datasets as tfds
 
+from metatrain import paths as paths_lib
 from metatrain.data.corpus import DecodeStats, expand_paths, read_text
 from metatrain.errors import ConfigError, DataError
 
@@ -100,7 +101,8 @@ def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = N
     with tfds.core.registered.skip_registration():
         builder_cls = type(name, (_TextBuilder,), {"name": name, "_generate": staticmethod(generate)})
     builder = builder_cls(data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare()
+    with paths_lib.filled_dir(existing):  # a failed build (a full disk, Ctrl-C) leaves nothing half-made
+        builder.download_and_prepare()
     return builder.data_dir, stats
 
 

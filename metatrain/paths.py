@@ -135,16 +135,22 @@ def remove_settled(*paths: str, settle: float = 0.2, limit: float = 5.0) -> None
 
 @contextlib.contextmanager
 def naming(path: str):
-    """A write to an open file that fails in the block (a full disk, a quota) is an OSError naming `path`: Python's
-    own name no file, so the error line could only say "writing a file failed"."""
+    """A write that fails in the block (a full disk, a quota, a file size limit) is an OSError naming `path`: Python's
+    errors for a write to an open file name none, Arrow's and ArrayRecord's only say it in words, so the error line
+    could only say "writing a file failed"."""
+    worded = lambda e: next((code for code, why in zip(REFUSED_ERRNOS, WRITE_REFUSED) if why in str(e)), None)
     try:
         yield
     except OSError as e:
         if e.filename is None:
-            worded = (code for code, why in zip(REFUSED_ERRNOS, WRITE_REFUSED) if why in str(e))
-            code = e.errno or next(worded, None)  # Arrow's: "... Detail: [errno 28] No space left on device"
+            code = e.errno or worded(e)  # Arrow's: "... Detail: [errno 28] No space left on device"
             if code is not None:
                 raise OSError(code, os.strerror(code) if code in REFUSED_ERRNOS else e.strerror, path) from e
+        raise
+    except RuntimeError as e:  # ArrayRecord's (TFDS's writer): 'write() failed: No space left on device; writing ...'
+        code = worded(e)
+        if code is not None:
+            raise OSError(code, os.strerror(code), path) from e
         raise
 
 
@@ -181,11 +187,10 @@ def filled_dir(path: str):
     before = set() if first else set(os.listdir(path))
     os.makedirs(path, exist_ok=True)
     try:
-        yield path
-    except BaseException as e:
+        with naming(path):  # a write to an open file (a full disk): the folder
+            yield path
+    except BaseException:
         remove_settled(*([first] if first else [os.path.join(path, name) for name in set(os.listdir(path)) - before]))
-        if isinstance(e, OSError) and e.filename is None:  # a write to an open file (a full disk): name the folder
-            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

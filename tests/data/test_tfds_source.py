@@ -149,3 +149,26 @@ def test_a_corpus_smaller_than_one_batch_is_said_with_the_figures(tmp_path, caps
         assert ("hold 1,768 tokens, fewer than one batch (2 rows x 1025 = 2,050 tokens): every batch repeats them, "
                 "and filling the shuffle window of 2048 rows reads them about 1,187 times before the first batch; "
                 "add documents or lower data.batch / data.seq_len / data.shuffle_window" in err) == says, err
+
+
+def test_a_build_the_disk_refuses_is_one_line_naming_the_dataset_and_leaves_nothing(tmp_path):
+    """A file size limit stands in for the full disk (writes fail alike, without root): ArrayRecord's writer fails
+    in words only (a RuntimeError: "write() failed: File too large; writing .../incomplete.XXX/..."), which was
+    "writing a file failed", and the half-made dataset folder stayed."""
+    import base64
+    import os
+
+    from helpers import env
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):  # 3 x 8 KB of random text: no compression brings it under 4 KiB
+        (src / f"doc{i}.txt").write_text(base64.b64encode(os.urandom(6000)).decode())
+    data_dir = tmp_path / "tfds"
+    build = ["data", "build", str(src), "--name", "big_docs", "--data-dir", str(data_dir)]
+    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
+                          "metatrain.cli", *build], env=env(), capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_line_error(res.stderr.replace("\r", "\n"), f"metatrain data: error: writing {data_dir}/big_docs failed (File "
+                                                   f"too large); make room there and run again")
+    assert not (data_dir / "big_docs").exists()
