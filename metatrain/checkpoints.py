@@ -144,6 +144,14 @@ def drop_stray_read_errors() -> None:
         sys.excepthook = excepthook
 
 
+def save_params(path: str, tree) -> None:
+    """`tree` written as an Orbax checkpoint at `path` (an export's or an import's `params/`) and waited for. A write
+    that fails (a full disk) raises its error once, without the stray tracebacks of its other writes."""
+    drop_stray_read_errors()
+    with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
+        checkpointer.save(path, tree, force=True)
+
+
 def silence_failed_reads(checkpoint: str) -> None:
     """From the first failed read of `checkpoint` (a step's directory) on, the stray errors of the other reads are
     dropped (`drop_stray_read_errors`), also those naming its files; those already pending are collected now."""

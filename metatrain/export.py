@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from metatrain import config as config_lib
 from metatrain import hf, paths
-from metatrain.checkpoints import first_layout_difference, leaf_shapes
+from metatrain.checkpoints import first_layout_difference, leaf_shapes, save_params
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig
@@ -241,8 +241,7 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
             files = hf.write(out, exported.model, _pure(exported.params), info.get("hf_config"),
                              info.get("tokenizer_dir"))
         else:
-            with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the async write
-                checkpointer.save(os.path.join(out, "params"), exported.params, force=True)
+            save_params(os.path.join(out, "params"), exported.params)
             payload = {k: v for k, v in info.items() if k != "tokenizer_dir"}
             payload["model"] = dataclasses.asdict(exported.model) if exported.model else None
             with open(os.path.join(out, "export.json"), "w") as f:
@@ -275,8 +274,7 @@ def import_hf(directory: str, out: str, overwrite: bool = False) -> tuple[str, M
     _, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, params)
     with paths.filled_dir(out):  # an error or a signal while writing takes out what was written (a full disk)
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(os.path.join(out, "params"), state, force=True)
+        save_params(os.path.join(out, "params"), state)
         with open(os.path.join(out, "export.json"), "w") as f:
             json.dump({"kind": "import", "what": "inner", "source": directory,
                        "model": dataclasses.asdict(cfg), "hf_config": hf.read_config(directory)}, f, indent=1)
