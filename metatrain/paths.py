@@ -234,8 +234,7 @@ def read_json(path: str, what: str) -> dict:
 
 
 def write_json(path: str, payload) -> None:
-    """`payload` as JSON at `path`, through a temporary file: an interruption never leaves half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    """`payload` as JSON at `path` (its folder made if missing), through a temporary file (`staged_file`): an
+    interruption or a full disk never leaves half a file, and a failed write names `path`."""
+    with staged_file(path) as tmp, open(tmp, "w") as f:
         json.dump(payload, f, indent=1)
-    os.replace(tmp, path)

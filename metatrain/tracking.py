@@ -18,6 +18,7 @@ import sys
 from tqdm import tqdm
 
 from metatrain import config as config_lib
+from metatrain import paths
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
@@ -42,7 +43,29 @@ def summary_writer(directory: str):
     finally:
         if blocked:
             del sys.modules["torch"]
-    return SummaryWriter(directory)
+    return _refusals_kept(SummaryWriter(directory))
+
+
+def _refusals_kept(writer):
+    """`writer` with the first OSError of its events file (a full disk: a write, a flush or the close) kept in
+    `writer.refused`, and nothing written after it. tensorboardX raised it in its own thread, at close and again in
+    its exit hook, a traceback each; `MetricsLog` raises it once, naming the folder."""
+    events = writer.file_writer.event_writer._ev_writer  # used by the writer's thread, its flush and its close
+    writer.refused = None
+
+    def kept(method):
+        def call(*args, **kwargs):
+            if writer.refused is None:
+                try:
+                    return method(*args, **kwargs)
+                except OSError as e:
+                    writer.refused = e
+
+        return call
+
+    for name in ("write_event", "flush", "close"):
+        setattr(events, name, kept(getattr(events, name)))
+    return writer
 
 
 def require_wandb(cfg: Config) -> None:
@@ -78,27 +101,41 @@ class MetricsLog:
         path = os.path.join(self.dir, "metrics.jsonl")
         _keep_rows_up_to(path, start_step)
         self.jsonl = open(path, "a")
-        self.tb = summary_writer(os.path.join(self.dir, "tensorboard"))
+        self.tb_dir = os.path.join(self.dir, "tensorboard")
+        self.tb = summary_writer(self.tb_dir)
         self.wandb = wandb_run(cfg, self.dir) if cfg.log.wandb else None
 
     def write(self, metrics: dict) -> None:
-        self.jsonl.write(json.dumps(metrics) + "\n")
-        self.jsonl.flush()
+        """One row of metrics; a write the disk refuses (a full disk) is an OSError naming the file or folder."""
+        with paths.naming(self.jsonl.name):
+            self.jsonl.write(json.dumps(metrics) + "\n")
+            self.jsonl.flush()
         step = metrics["step"]
         for k, v in metrics.items():
             if k != "step" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, step)
         self.tb.flush()
+        self._raise_refused()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def _raise_refused(self) -> None:
+        if self.tb.refused is not None:
+            with paths.naming(self.tb_dir):
+                raise self.tb.refused
 
     def sync(self) -> None:
         """Copy the log dir's files into a remote work dir (nothing to do for a local one)."""
         copy_logs(self.dir, self.workdir)
 
     def close(self) -> None:
-        self.jsonl.close()
-        self.tb.close()
+        """Closes the files (each, whatever the other did), then raises the first write the disk refused."""
+        try:
+            with paths.naming(self.jsonl.name):
+                self.jsonl.close()  # (closed also where its last flush fails)
+        finally:
+            self.tb.close()
+        self._raise_refused()
         if self.wandb is not None:
             self.wandb.finish()
         self.sync()
@@ -117,9 +154,8 @@ def _keep_rows_up_to(path: str, step: int) -> None:
                 continue
             if row.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w") as f:
+    with paths.staged_file(path) as tmp, open(tmp, "w") as f:
         f.writelines(kept)
-    os.replace(path + ".tmp", path)
 
 
 def copy_logs(log_dir: str, workdir: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import aot, auto, distributed, population
+from metatrain import aot, auto, distributed, paths, population
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -137,10 +136,7 @@ class Trainer:
 
     def _write_json(self, name: str, payload: dict) -> None:
         """A JSON file in the log dir (the work dir, or its local mirror for a remote one)."""
-        path = os.path.join(workdir_lib.log_dir(self.cfg.workdir), name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+        paths.write_json(os.path.join(workdir_lib.log_dir(self.cfg.workdir), name), payload)
 
     def _load_pretrained(self, path: str):
         """The inner model (η for tasks that restart from it; the frozen base under LoRA) from pretrained parameters at

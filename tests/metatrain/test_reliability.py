@@ -445,3 +445,35 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_run_resumes(sha
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
     res = subprocess.run([*run, "--resume"], env=env(), capture_output=True, text=True)
     assert res.returncode == 0 and checkpoints(workdir)[-1] == 6, res.stderr[-3000:]
+
+
+def test_metrics_the_disk_refuses_are_one_line_naming_the_folder(tmp_path):
+    """A full disk while metrics were logged gave tensorboardX's tracebacks (from its thread, its close and its exit
+    hook) and "writing a file failed". A file size limit stands in for the full disk (writes fail alike, without
+    root); the TensorBoard events file (about 60 bytes a row's scalar) passes it first."""
+    workdir = tmp_path / "run"
+    run = [sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={workdir}", "steps=200",
+           "checkpoint_every=100000"]
+    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 6; exec "$@"', "bash", *run], env=env(),
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_line_error(res.stderr, f"metatrain train: error: writing {workdir}/tensorboard failed (File too large)")
+    assert "Exception ignored" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr[-3000:]
+
+
+def test_a_metrics_row_the_disk_refuses_names_metrics_jsonl(tmp_path):
+    """Python's error for a write to an open file names none ("writing a file failed"); /dev/full refuses every
+    write as a full disk does."""
+    import errno
+
+    from metatrain import config as config_lib
+    from metatrain.tracking import MetricsLog
+
+    log = MetricsLog(config_lib.load(None, [*TINY, f"workdir={tmp_path / 'run'}"]))
+    log.jsonl.close()
+    log.jsonl = open("/dev/full", "a")
+    with pytest.raises(OSError) as e:
+        log.write({"step": 1, "outer_loss": 1.0})
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, "/dev/full")
+    log.jsonl = open(os.devnull, "a")
+    log.close()
