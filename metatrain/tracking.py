@@ -50,8 +50,12 @@ def _refusals_kept(writer):
     """`writer` with the first OSError of its events file (a full disk: a write, a flush or the close) kept in
     `writer.refused`, and nothing written after it. tensorboardX raised it in its own thread, at close and again in
     its exit hook, a traceback each; `MetricsLog` raises it once, naming the folder."""
-    events = writer.file_writer.event_writer._ev_writer  # used by the writer's thread, its flush and its close
     writer.refused = None
+    # (tensorboardX 2.x's events writer, used by the writer's thread, its flush and its close; another layout is left
+    # as it is: its errors then come out as tensorboardX raises them)
+    events = getattr(getattr(getattr(writer, "file_writer", None), "event_writer", None), "_ev_writer", None)
+    if events is None:
+        return writer
 
     def kept(method):
         def call(*args, **kwargs):
