@@ -108,7 +108,8 @@ def _stop_behind(error: BaseException) -> KeyboardInterrupt | None:
 
 
 # how a command that takes --resume continues after a failed write, by command
-RESUMES = {"train": "the run from its last checkpoint", "pretrain": "the run from its last checkpoint",
+RESUMES = {"train": "the run from its last checkpoint, if it saved one",
+           "pretrain": "the run from its last checkpoint, if it saved one",
            "bench": "with the rows already measured"}
 
 

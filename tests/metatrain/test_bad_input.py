@@ -164,4 +164,5 @@ def test_a_full_disk_while_writing_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(run, "cmd_train", full)
     assert cli.main(["train", "steps=2"]) == 2
     one_line_error(capsys.readouterr().err, "metatrain train: error: writing runs/x/metrics.jsonl failed",
-                   "make room there and run again (with --resume to continue the run from its last checkpoint)")
+                   "make room there and run again (with --resume to continue the run from its last checkpoint, "
+                   "if it saved one)")
