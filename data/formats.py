@@ -125,8 +125,10 @@ class Encoder:
         if self.template is None:
             directory = getattr(self.tokenizer, "directory", None)
             if directory is None:
-                raise ConfigError(f"data.format={format}: conversations are rendered by the model's chat template; "
-                                  "set data.tokenizer=hf:DIR (a model dir with tokenizer.json and a chat template)")
+                raise ConfigError(f"data.format={format}: conversations are rendered by the model's chat template, "
+                                  "which a tiktoken encoding has none of; train with data.tokenizer=hf:DIR (a model "
+                                  "dir with tokenizer.json and a chat template): a run trained with a tiktoken "
+                                  "encoding reads text only")
             self.template = _template(os.path.abspath(directory), self.chat_template)
         return self.template
 

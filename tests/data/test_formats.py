@@ -178,8 +178,9 @@ def test_bad_conversations_are_one_line_naming_file_record_and_field(tmp_path, t
     path = _chats(tmp_path)
     with pytest.raises(DataError, match=r"chat.jsonl:\d+: the chat template fails to render it: only user turns"):
         Streams(_cfg(path, tok_dir, chat_template=str(failing)), 0, 1)
-    with pytest.raises(ConfigError, match="data.format=chat: conversations are rendered by the model's chat template; "
-                                          "set data.tokenizer=hf:DIR"):
+    with pytest.raises(ConfigError, match="data.format=chat: conversations are rendered by the model's chat template, "
+                                          "which a tiktoken encoding has none of; train with data.tokenizer=hf:DIR .*: "
+                                          "a run trained with a tiktoken encoding reads text only"):
         Streams(DataConfig(source=f"jsonl:{path}", seq_len=24, batch=4, outer_every=5), 0, 1)
 
 
