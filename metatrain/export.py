@@ -135,7 +135,7 @@ def _merged(cfg, model: ModelConfig, adapters):
     return state
 
 
-def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exported:
+def _from_workdir(workdir: str, what: str | None, adapters: bool = False, command: str = "export") -> Exported:
     run = Run.open(workdir)  # its config as it ran: the data sources may be gone
     cfg, model, saved = run.cfg, run.model, run.saved
     info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
@@ -156,14 +156,14 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
         return out(_merged(cfg, model, params), model, dict(info, kind="meta-train", what=which, merged_lora=True))
     if run.kind == "pretrain":  # its parameters are the model
         if what not in (None, "inner"):
-            raise ConfigError(f"export --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
+            raise ConfigError(f"{command} --what {what}: {workdir} is a pretrain run; it has one model (--what inner)")
         return out(run.part("params"), model, dict(info, kind="pretrain", what="inner"))
     if what in ("inner", "baseline"):
         key = "inner" if what == "inner" else "base"
         if key not in saved or saved[key] is None:
             missing = ("uniform baseline (run with baseline=uniform)" if key == "base" else
                        f"fine-tuned inner model: task {cfg.task!r} restarts every step from η; use --what meta")
-            raise ConfigError(f"export --what {what}: {workdir} has no {missing}")
+            raise ConfigError(f"{command} --what {what}: {workdir} has no {missing}")
         part = run.part(key)
         theta = (part["inner"] if key == "base" else part)[0]
         if key == "inner" and cfg.population.size > 1:  # a population's inner models: member 0's
@@ -180,11 +180,12 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False) -> Exp
     return out(meta, None, dict(info, kind="meta-train", what="meta"))
 
 
-def _from_export_dir(path: str, what: str | None) -> Exported:
+def _from_export_dir(path: str, what: str | None, command: str = "export") -> Exported:
     with open(os.path.join(path, "export.json")) as f:
         info = json.load(f)
     if what not in (None, info.get("what", "inner")):
-        raise ConfigError(f"export --what {what}: {path} is an export dir holding only {info.get('what', 'inner')!r}")
+        held = info.get("what", "inner")
+        raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}")
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"))
     model = ModelConfig(**info["model"]) if info.get("model") else None
@@ -193,16 +194,17 @@ def _from_export_dir(path: str, what: str | None) -> Exported:
     return Exported(params, model, info)
 
 
-def read_source(src: str, what: str | None = None, adapters: bool = False) -> Exported:
-    """The parameters of a run's work dir (`what`: inner | meta | baseline) or of an export / import dir."""
+def read_source(src: str, what: str | None = None, adapters: bool = False, command: str = "export") -> Exported:
+    """The parameters of a run's work dir (`what`: inner | meta | baseline) or of an export / import dir; errors
+    name `command`'s --what."""
     if what is not None and what not in WHATS:
-        raise ConfigError(f"export --what: {what!r} is not one of {WHATS}")
+        raise ConfigError(f"{command} --what: {what!r} is not one of {WHATS}")
     src = paths.local(src)
     if os.path.isfile(os.path.join(src, "export.json")):
         if adapters:
             raise ConfigError(f"export --adapters: {src} is an export dir; give the LoRA run's work dir")
-        return _from_export_dir(src, what)
-    return _from_workdir(src, what, adapters)
+        return _from_export_dir(src, what, command)
+    return _from_workdir(src, what, adapters, command)
 
 
 def export(src: str, out: str | None = None, what: str | None = None, fmt: str = "orbax",

@@ -22,7 +22,7 @@ def _model(src: str, what: str | None, tokenizer: str | None):
         cfg, params = hf.read(directory)
         context = paths.read_json(os.path.join(directory, "config.json"), "config.json").get("max_position_embeddings")
         return cfg, params, load_tokenizer(tokenizer or HF_PREFIX + directory), "", context
-    exported = export_lib.read_source(src, what or "inner")
+    exported = export_lib.read_source(src, what or "inner", command="generate")
     info = exported.info
     if exported.model is None or exported.model.head != "lm":
         raise ConfigError(f"generate: {src} holds no language model ({info.get('what')}); give a run, an "

@@ -133,3 +133,12 @@ def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsy
         timer.cancel()
     assert code == 128 + sig and f"metatrain generate: stopped by {sig.name}" in err, err[-2000:]
     assert time.perf_counter() - tic < 60 and len(out) > 1
+
+
+def test_what_an_export_dir_does_not_hold_is_named_as_generates_flag(shared_run, tmp_path, capsys):
+    """It was named "export --what", a command the user did not run."""
+    assert _main(capsys, "export", shared_run["workdir"], "--what", "meta", "--out", tmp_path / "meta")[0] == 0
+    code, _, err = _main(capsys, "generate", tmp_path / "meta", "--what", "baseline", "--prompt", "a")
+    assert code == 2
+    one_line_error(err, f"metatrain generate: error: generate --what baseline: {tmp_path / 'meta'} is an export dir "
+                        "holding only 'meta'")
