@@ -104,13 +104,13 @@ def _prompt_tokens(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> t
     if text is not None:
         raise ValueError(f"generate: prompt {text} is text; prompts are lists of token ids (encode the text with "
                          f"the model's tokenizer first)")
-    for name, value, ok, want in (("max_new_tokens", max_new_tokens, lambda v: v >= 1, "a whole number >= 1"),
-                                  ("temperature", temperature, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
-                                  ("top_k", top_k, lambda v: v >= 0, "a whole number >= 0 (0: all tokens)"),
-                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
-        whole = name in ("max_new_tokens", "top_k")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer) if whole else (int, float, np.number)) \
-                or not ok(value):  # (NaN passes no check)
+    whole, number = (int, np.integer), (int, float, np.number)
+    for name, value, kinds, ok, want in (
+            ("max_new_tokens", max_new_tokens, whole, lambda v: v >= 1, "a whole number >= 1"),
+            ("temperature", temperature, number, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+            ("top_k", top_k, whole, lambda v: v >= 0, "a whole number >= 0 (0: all tokens)"),
+            ("top_p", top_p, number, lambda v: 0 < v <= 1, "a number in (0, 1]")):
+        if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):  # (NaN passes no check)
             raise ValueError(f"generate: {name} must be {want}, got {value!r}")
     lengths = np.asarray([len(x) for x in prompts], np.int32)
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
