@@ -37,6 +37,11 @@ from metatrain.tasks.weight_eval import EvalContext
 from metatrain.tracking import MetricsLog, progress_bar, require_wandb
 
 
+class _StoppedWaiting(BaseException):
+    """A stop signal while the run waits for data (a BaseException, as KeyboardInterrupt is: no reader's `except
+    Exception` keeps it from reaching `Trainer.train`)."""
+
+
 class Trainer:
     """Runs meta-training for a run config: owns the mesh, the sharded state, the compiled outer step, the data
     streams, logs and checkpoints. It knows no particular task: task-specific evaluation comes from
@@ -171,16 +176,17 @@ class Trainer:
         return jax.jit(put, donate_argnums=0, out_shardings=self.program.state_shardings)(self.state, params)
 
     @contextlib.contextmanager
-    def _data_wait(self):
-        """While the run waits for batches, a stop signal stops it at once (there is no step to finish)."""
-        self._waiting = True
+    def _data_wait(self, positions: dict | None = None):
+        """While the run waits for batches, a stop signal stops it at once (there is no step to finish); `positions`:
+        the streams' positions before this read, which a save at the stop puts back (the read may be half done)."""
+        self._waiting, self._positions = True, positions
         try:
             yield
         finally:
             self._waiting = False
 
     def _global_batches(self):
-        with self._data_wait():
+        with self._data_wait(self.streams.get_state()):
             if self.members == 1:
                 inner, outer = self.streams.next()
             else:  # each member's batches, the next ones of the streams, stacked
@@ -276,11 +282,21 @@ class Trainer:
         one stops at once."""
         self._stop_signal = signal.Signals(signum).name
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-        if getattr(self, "_waiting", False):  # no step to finish; nothing half-read is saved
-            step = int(self.state["step"])
-            saved = (f"checkpoint {step} saved" if self.checkpoints.last_saved == step else self._last_checkpoint())
-            raise TrainingError(f"stopped by {self._stop_signal} at step {step}; {saved} (the signal came while "
-                                f"waiting for data), {self.continue_hint}")
+        if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
+            raise _StoppedWaiting
+
+    def _stopped_waiting(self) -> str:
+        """Save the state of the last finished step where it was not saved yet, with the streams' positions before
+        the interrupted read (one process only: in a multi-process job a save is a collective that the other
+        processes, in a step or a read of their own, may never join); returns the stop's one-line message."""
+        step = int(self.state["step"])
+        if step > 0 and self.checkpoints.last_saved != step and jax.process_count() == 1:
+            if self._positions is not None:
+                self.streams.set_state(self._positions)
+            self.save()
+        saved = f"checkpoint {step} saved" if self.checkpoints.last_saved == step else self._last_checkpoint()
+        return (f"stopped by {self._stop_signal} at step {step}; {saved} (the signal came while waiting for data), "
+                f"{self.continue_hint}")
 
     def _last_checkpoint(self) -> str:
         step = self.checkpoints.last_saved
@@ -352,6 +368,8 @@ class Trainer:
                     raise TrainingError(f"stopped by {self._stop_signal} at step {step + 1}; checkpoint {step + 1} "
                                         f"saved, {self.continue_hint}")
             self.save()
+        except _StoppedWaiting:
+            raise TrainingError(self._stopped_waiting()) from None
         finally:
             bar.close()
             self.checkpoints.close()  # waits for every save in flight, whatever ended the loop

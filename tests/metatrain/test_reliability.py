@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -354,9 +355,10 @@ from metatrain.data import pipeline
 next_, calls = pipeline.Streams.next, []
 
 
-def stuck(self):  # from step 3 on the data never comes (a source that packs nothing, a dead mount)
+def stuck(self):  # from step 3 on the outer batch never comes (a source that packs nothing, a dead mount)
     calls.append(1)
     if len(calls) > 2:
+        [next(it) for it in self.inner]  # the inner streams' batches are read: the read is half done
         print("waiting for data", file=sys.stderr, flush=True)
         time.sleep(600)
     return next_(self)
@@ -368,13 +370,15 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_a_signal_stops_a_run_waiting_for_data_at_once(tmp_path):
+def test_a_signal_stops_a_run_waiting_for_data_at_once_and_saves_the_last_step(tmp_path, shared_run):
     """A run stuck waiting for data finished no step, so one SIGTERM stops it at once (it used to wait for the step),
-    naming the last checkpoint; nothing half-read is saved."""
+    saving the last finished step where no checkpoint holds it yet (it used to keep only the previous checkpoint,
+    losing the steps since), with the data positions of that step (not those of the half-done read): those an
+    uninterrupted run saves there."""
     workdir, err_path = tmp_path / "run", tmp_path / "err"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-c", SLOW_DATA, "train", *TINY, f"workdir={workdir}", "steps=10",
-                                 "checkpoint_every=1"], env=env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+                                 "checkpoint_every=3"], env=env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
             deadline = time.time() + 300
             while "waiting for data" not in err_path.read_text():
@@ -393,7 +397,12 @@ def test_a_signal_stops_a_run_waiting_for_data_at_once(tmp_path):
     text = err_path.read_text()
     assert proc.returncode == 2, text[-3000:]
     one_line_error(text, "stopped by SIGTERM at step 2; checkpoint 2 saved (the signal came while waiting for data)")
-    assert checkpoints(workdir) == [1, 2]
+    assert checkpoints(workdir) == [2]
+    # the shared run reads the same streams (TINY's data) and saved step 2 at its end
+    for stream in ("inner_data", "outer_data"):
+        saved, reference = (json.loads((Path(d) / "checkpoints" / "2" / stream / "process_0-of-1.json").read_text())
+                            for d in (workdir, shared_run["workdir"]))
+        assert saved == reference, stream
 
 
 # ---- 9. messages that name the thing to fix ---------------------------------------------------------
