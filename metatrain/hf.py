@@ -37,14 +37,18 @@ def read_config(directory: str) -> dict:
 
 
 def _field(hf: dict, key: str, where: str, kind=int, default=None):
-    """config.json's `key` as a `kind` (int or float), naming the file and key when it is missing or not a number."""
-    value = hf.get(key, default)
+    """config.json's `key` as a `kind` (int or float), naming the file and key when it is missing or not a number; a
+    null value is `default`, as transformers reads it."""
+    value = default if hf.get(key) is None else hf[key]
     if value is None:
         raise ConfigError(f"{where}: {key!r} is missing; a Llama / Qwen2 config.json has it")
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or value == int(value))
     if not ok:
         raise ConfigError(f"{where}: {key}={value!r} is not {'a whole number' if kind is int else 'a number'}")
     return kind(value)
+
+
+_SIZES = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -65,20 +69,35 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{where}: RoPE scaling {rope_type!r} is not implemented; metatrain has {ROPE_TYPES}")
     theta = _field(rope, "rope_theta", where, float, hf.get("rope_theta", 10_000.0))
-    heads = _field(hf, "num_attention_heads", where)
+    sizes = {key: _field(hf, key, where) for key in _SIZES}
+    for key, value in sizes.items():
+        if value <= 0:
+            raise ConfigError(f"{where}: {key}={value} must be > 0")
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = _field(hf, "num_key_value_heads", where, default=heads) or heads
+    if kv_heads < 0 or heads % kv_heads:
+        raise ConfigError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    head_dim = _field(hf, "head_dim", where, default=0) or 0
+    if head_dim < 0 or (not head_dim and hidden % heads):
+        raise ConfigError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}, and "
+                          f"head_dim={head_dim} does not give the per-head size")
+    if (head_dim or hidden // heads) % 2:
+        raise ConfigError(f"{where}: the per-head size {head_dim or hidden // heads} (head_dim, else hidden_size / "
+                          "num_attention_heads) must be even for RoPE")
     scaling = {}
     if rope_type == "llama3":
         scaling = dict(rope_scaling="llama3", rope_factor=_field(rope, "factor", where, float),
                        rope_low_freq_factor=_field(rope, "low_freq_factor", where, float),
                        rope_high_freq_factor=_field(rope, "high_freq_factor", where, float),
                        rope_original_max_positions=_field(rope, "original_max_position_embeddings", where))
-    return ModelConfig(
-        vocab_size=_field(hf, "vocab_size", where), d_model=_field(hf, "hidden_size", where), n_heads=heads,
-        n_kv_heads=_field(hf, "num_key_value_heads", where, default=heads) or heads,
-        kv_size=_field(hf, "head_dim", where, default=0) or 0, d_ff=_field(hf, "intermediate_size", where),
-        n_layers=_field(hf, "num_hidden_layers", where), mlp="swiglu",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
-        rope_base=theta, norm_eps=_field(hf, "rms_norm_eps", where, float, 1e-6), **scaling)
+    try:
+        return ModelConfig(
+            vocab_size=sizes["vocab_size"], d_model=hidden, n_heads=heads, n_kv_heads=kv_heads, kv_size=head_dim,
+            d_ff=sizes["intermediate_size"], n_layers=sizes["num_hidden_layers"], mlp="swiglu",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
+            rope_base=theta, norm_eps=_field(hf, "rms_norm_eps", where, float, 1e-6), **scaling)
+    except ConfigError as e:  # what the checks above leave (RoPE's and the norm's constants), named by the file
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:

@@ -120,6 +120,14 @@ def _broken(checkpoints, tmp_path, edit=None, drop=None):
     (lambda c: c.update(model_type="mistral"), None, ["config.json", "model_type 'mistral'"]),
     (lambda c: c["rope_parameters"].update(rope_type="yarn"), None, ["config.json", "'yarn' is not implemented"]),
     (lambda c: c.update(hidden_act="gelu"), None, ["config.json", "hidden_act='gelu'"]),
+    # the shapes' relations, in config.json's own keys (they were named by metatrain's: model.n_kv_heads ...)
+    (lambda c: c.update(num_key_value_heads=3), None,
+     ["config.json: num_key_value_heads=3 must divide num_attention_heads=4"]),
+    (lambda c: c.update(hidden_size=66, head_dim=None), None,
+     ["config.json: hidden_size=66 is not divisible by num_attention_heads=4, and head_dim=0"]),
+    (lambda c: c.update(head_dim=15), None, ["config.json: the per-head size 15", "must be even for RoPE"]),
+    (lambda c: c.update(num_hidden_layers=0), None, ["config.json: num_hidden_layers=0 must be > 0"]),
+    (lambda c: c.update(rms_norm_eps=-1.0), None, ["config.json: model.rope_base and model.norm_eps must be > 0"]),
     (lambda c: c.update(intermediate_size=128), None, ["model.layers.0.mlp.up_proj.weight", "[160, 64]"]),
     (None, "model.layers.2.self_attn.k_proj.weight", ["model.layers.2.self_attn.k_proj.weight", "missing"]),
 ])
