@@ -101,8 +101,10 @@ def build_text_dataset(paths: Sequence[str], name: str, data_dir: str | None = N
     with tfds.core.registered.skip_registration():
         builder_cls = type(name, (_TextBuilder,), {"name": name, "_generate": staticmethod(generate)})
     builder = builder_cls(data_dir=data_dir, file_format="array_record")
-    with paths_lib.filled_dir(existing):  # a failed build (a full disk, Ctrl-C) leaves nothing half-made
-        builder.download_and_prepare()
+    # a failed build (a full disk, Ctrl-C) leaves nothing half-made; TFDS's download folder (it downloads nothing
+    # here) is a temporary one, not `downloads/extracted` left in the user's data dir
+    with paths_lib.filled_dir(existing), tempfile.TemporaryDirectory(prefix="metatrain-tfds-") as downloads:
+        builder.download_and_prepare(download_dir=downloads)
     return builder.data_dir, stats
 
 

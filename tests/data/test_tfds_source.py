@@ -26,6 +26,7 @@ def test_build_and_read_back_in_subprocess(tmp_path, capsys):
     assert cli.main(["data", "build", str(src), "--name", "local_docs", "--data-dir", str(data_dir)]) == 0
     out = capsys.readouterr().out
     assert "from 13 file(s)" in out and "5 undecodable byte(s) replaced" in out
+    assert [p.name for p in data_dir.iterdir()] == ["local_docs"]  # no empty downloads/extracted beside it
     code = (
         "import json, grain; from metatrain.data.tfds_source import text_source\n"
         f"s = text_source('local_docs', 'train', {str(data_dir)!r})\n"
@@ -78,7 +79,9 @@ def test_pipeline_reads_the_built_dataset(tmp_path, capsys, monkeypatch):
 
 
 def test_failed_build_leaves_nothing_readable(tmp_path, monkeypatch):
+    """Nor anything else in the user's data dir (TFDS's downloads/ stayed there)."""
     src, data_dir = _corpus(tmp_path), tmp_path / "tfds"
+    data_dir.mkdir()
     calls = {"n": 0}
     real = tfds_source.read_text
 
@@ -91,6 +94,7 @@ def test_failed_build_leaves_nothing_readable(tmp_path, monkeypatch):
     monkeypatch.setattr(tfds_source, "read_text", flaky)
     with pytest.raises(OSError, match="disk went away"):
         tfds_source.build_text_dataset([str(src)], "broken_docs", str(data_dir))
+    assert list(data_dir.iterdir()) == []
     with pytest.raises(ValueError, match="not prepared"):
         tfds_source.text_source("broken_docs", "train", str(data_dir))
 
