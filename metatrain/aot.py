@@ -34,7 +34,7 @@ GPUS = {"h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bytes=84_929_
 
 
 def compiled_memory(compiled) -> dict:
-    """A compiled program's buffer sizes, its peak and XLA's FLOPs.
+    """A compiled program's buffer sizes, its peak and XLA's FLOPs (None where XLA counts none).
 
     On a TPU the peak is the compiler's own (`peak_memory_in_bytes`): the high-water mark of its buffer
     assignment over the schedule, arguments and outputs included, which is the figure libtpu holds against the
@@ -53,7 +53,8 @@ def compiled_memory(compiled) -> dict:
                                - mem.host_alias_size_in_bytes)}
     total = sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
     peak = mem.peak_memory_in_bytes - sizes["host_io_bytes"] if platform(compiled) == "tpu" else total
-    return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": float((cost or {}).get("flops", 0.0))}
+    flops = (cost or {}).get("flops")  # None where the compiler reports no cost (a GPU described without one)
+    return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": None if flops is None else float(flops)}
 
 
 MEMINFO, CGROUP = "/proc/meminfo", "/sys/fs/cgroup"  # the host's memory; this process's cgroup (v2)

@@ -10,6 +10,7 @@ the Trainer runs (no second compile).
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 
@@ -36,7 +37,7 @@ def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program
         built[name] = (program, compiled)
     lowest = min(f["peak_bytes"] for f in figures.values())
     tied = [name for name, f in figures.items() if f["peak_bytes"] <= 1.01 * lowest]
-    best = min(tied, key=lambda name: figures[name]["flops"])
+    best = min(tied, key=lambda name: math.inf if figures[name]["flops"] is None else figures[name]["flops"])
     choice = {"mode": figures[best]["mode"], "kept_states": figures[best]["kept_states"],
               "candidates": figures}
     return choice, *built[best]
@@ -44,6 +45,7 @@ def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program
 
 def describe(choice: dict) -> str:
     """One line: every candidate's peak and FLOPs, and the choice."""
-    return "auto: " + "; ".join(f"{n} peak {f['peak_bytes'] / 2**20:,.1f} MiB, {f['flops'] / 1e9:,.2f} GFLOPs"
+    gflops = lambda f: "FLOPs not counted" if f["flops"] is None else f"{f['flops'] / 1e9:,.2f} GFLOPs"
+    return "auto: " + "; ".join(f"{n} peak {f['peak_bytes'] / 2**20:,.1f} MiB, {gflops(f)}"
                                 for n, f in choice["candidates"].items()) + (
         f" -> metagrad.mode={choice['mode']} metagrad.kept_states={choice['kept_states']}")

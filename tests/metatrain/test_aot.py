@@ -113,6 +113,7 @@ def test_compile_for_two_gpus_without_one(tmp_path):
     assert r["backend"] == "gpu" and r["devices"] == 2 and r["mesh"] == {"data": 1, "fsdp": 2} and r["exact"]
     assert r["device"] == aot.GPUS["h100"]["name"]
     assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+    assert r["flops"] is None or r["flops"] > 0  # a count, or none (not 0.0) where the compiler reports no cost
     assert r["hbm_bytes"] == 0.95 * aot.GPUS["h100"]["memory_bytes"] and r["fits"]
     state = 3 * 4 * models.param_count(models.preset("tiny"))  # η and Adam's two moments, float32
     assert 0.5 * state <= r["argument_bytes"] < 0.6 * state  # half of it, and the batches
@@ -158,3 +159,29 @@ def test_memory_here_on_cpu_is_what_the_host_and_its_container_leave(tmp_path, m
     assert aot.memory_here(cpu) == 4 * GiB  # 8 - (7 - 3)
     (cgroup / "memory.max").write_text(f"{20 * GiB}\n")
     assert aot.memory_here(cpu) == 10 * GiB  # the host has less
+
+
+def test_a_program_without_a_cost_analysis_has_no_flops():
+    """XLA's GPU compiler, for a GPU described without one, reports no cost analysis: its rows said 0.0 GFLOPs.
+    They say none (`-` in bench memory's table), and `metagrad.mode=auto` ranks such candidates by peak alone."""
+    from metatrain import auto
+
+    class Compiled:  # what memory_analysis / cost_analysis give for such a program
+        def memory_analysis(self):
+            sizes = dict(argument_size_in_bytes=100, output_size_in_bytes=40, alias_size_in_bytes=40,
+                         temp_size_in_bytes=60, host_temp_size_in_bytes=0, host_argument_size_in_bytes=0,
+                         host_output_size_in_bytes=0, host_alias_size_in_bytes=0, peak_memory_in_bytes=0)
+            return type("Memory", (), sizes)()
+
+        def cost_analysis(self):
+            return None
+
+        input_shardings = ()  # no device to tell the platform: this machine's (the peak is the sum)
+
+    m = aot.compiled_memory(Compiled())
+    assert m["flops"] is None and m["peak_bytes"] == 160
+    line = auto.describe({"mode": "mixflow", "kept_states": "every_step",
+                          "candidates": {"mixflow": {"peak_bytes": 2**20, "flops": None},
+                                         "autodiff": {"peak_bytes": 2**21, "flops": 3e9}}})
+    assert line == ("auto: mixflow peak 1.0 MiB, FLOPs not counted; autodiff peak 2.0 MiB, 3.00 GFLOPs -> "
+                    "metagrad.mode=mixflow metagrad.kept_states=every_step")
