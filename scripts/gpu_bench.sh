@@ -4,7 +4,8 @@
 # each op's shape and JAX source, the compiled programs beside the traces), the same with cuBLAS instead of
 # Triton for the matrix products, what fills each side's compiled peak at 44m (XLA's buffer assignment) and the
 # same compiled for a described GPU of its kind without the device (`--topology h100|h200`), then each side's
-# measured peak beside its compiled one, one process per model size and variant. MAML, B=4, S=2048, T=2, float32.
+# measured peak beside its compiled one, one process per model size and variant, and last the largest preset each
+# side fits with every option as compiled for an H200, run. MAML, B=4, S=2048, T=2, float32.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
 #
@@ -16,10 +17,11 @@
 # over the machine's own jax.
 # The whole run stays within GPU_BENCH_BUDGET seconds (480: 8 minutes, install included): each step gets at
 # most what is left, and one that would get under 20 s is skipped.
-# Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), SEQ (2048), BATCH (4), SPEED_TIMEOUT (240 s), PEAK_TIMEOUT
-# (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (480 s), PYTHON (python3, else python), GPU_BENCH_INSTALL=1
-# (install even where everything imports). A CPU dry run:
-#   SPEED_MODEL=tiny PEAK_SIZES=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh gpu_bench_dry
+# Knobs: SPEED_MODEL (44m), PEAK_SIZES ("44m 489m 1b"), FIT_AUTODIFF (1.6b), FIT_MIXFLOW (2.6b), SEQ (2048),
+# BATCH (4), SPEED_TIMEOUT (240 s), PEAK_TIMEOUT (150 s), BREAKDOWN_TIMEOUT (120 s), GPU_BENCH_BUDGET (480 s), PYTHON
+# (python3, else python), GPU_BENCH_INSTALL=1 (install even where everything imports). A CPU dry run:
+#   SPEED_MODEL=tiny PEAK_SIZES=tiny FIT_AUTODIFF=tiny FIT_MIXFLOW=tiny SEQ=16 BATCH=2 bash scripts/gpu_bench.sh \
+#     gpu_bench_dry
 set -uo pipefail
 repo=$(realpath "$(dirname "$0")/..")
 out=$(realpath -m "${1:-${OUT:-gpu_bench}}")
@@ -97,5 +99,15 @@ for size in ${PEAK_SIZES:-44m 489m 1b}; do
       "$py" -m metatrain.cli bench time "${problem[@]}" --model "$size" --variants "$variant" --baseline "$variant" \
       --rounds 2 --warmup 1 --json "$out/$name.json"
   done
+done
+# the largest ladder preset each side fits with every option, as compiled for an H200 (docs/gpu.md): run, not only
+# compiled (last: skipped where the budget is spent)
+all=save+bf16_state+offload_states+offload_moments+offload_params+blockwise+chunked_ce
+for side in "autodiff+remat+$all:${FIT_AUTODIFF:-1.6b}" "mixflow+remat+$all:${FIT_MIXFLOW:-2.6b}"; do
+  variant=${side%:*} size=${side##*:}
+  name="largest_${size}_${variant%%+*}_all_options"
+  step "$name: measured peak and step time, one process, 3 steps" "${PEAK_TIMEOUT:-150}" \
+    "$py" -m metatrain.cli bench time "${problem[@]}" --model "$size" --variants "$variant" --baseline "$variant" \
+    --rounds 2 --warmup 1 --json "$out/$name.json"
 done
 log "done: $(ls "$out" | tr '\n' ' ')"
