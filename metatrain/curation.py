@@ -47,6 +47,28 @@ RATERS = {"rater_score": ("meta_model.head=score", "meta_model.causal=false"), "
 PPL = ("ppl_low", "ppl_mid", "ppl_high")
 
 
+def drop_damaged_cache_entries(folder: str) -> list[str]:
+    """Remove the entries of JAX's compilation cache in `folder` that a killed or out-of-room run left half-written
+    (JAX writes them in place): JAX warns on every read of one and never writes it again. Returns the names removed.
+    A JAX without the decompressor this reads them with is left alone."""
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith("-cache"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                decompress_executable(f.read())
+        except Exception:  # noqa: BLE001 — zlib's and zstandard's errors for a cut-off stream differ
+            os.remove(path)
+            removed.append(name)
+    return removed
+
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """A transformer's shape (the vocabulary and sequence length are the scale's)."""
@@ -318,7 +340,9 @@ class Experiment:
         from metatrain.paths import read_json
 
         # every arm compiles the same programs: compiled once, read back from disk after
-        jax.config.update("jax_compilation_cache_dir", os.path.join(self.dir, ".compile_cache"))
+        cache = os.path.join(self.dir, ".compile_cache")
+        drop_damaged_cache_entries(cache)
+        jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self._flops_path = os.path.join(self.dir, "flops.json")
         self.flops = read_json(self._flops_path, "FLOPs file") if os.path.isfile(self._flops_path) else {}

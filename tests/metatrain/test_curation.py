@@ -244,3 +244,19 @@ def test_an_arm_stopped_by_a_signal_says_how_the_experiment_continues(tmp_path, 
     with pytest.raises(Exception, match="run the same `metatrain experiment curation` command again") as e:
         curation._fit(Fake, cfg, "arm x")
     assert "--resume" not in str(e.value)
+
+
+def test_half_written_compilation_cache_entries_are_dropped(tmp_path):
+    """The experiment keeps JAX's compilation cache in its dir, and a kill (or a full disk) while JAX writes an entry
+    leaves it cut off: JAX then warned on every read of it in every later run, and never wrote it again."""
+    from jax._src.compilation_cache import compress_executable
+
+    from metatrain.curation import drop_damaged_cache_entries
+
+    whole = compress_executable(b"an executable and its compile time" * 100)
+    (tmp_path / "jit_step-1a2b-cache").write_bytes(whole)
+    (tmp_path / "jit_step-1a2b-atime").write_bytes(b"\0" * 8)
+    (tmp_path / "jit_eval-3c4d-cache").write_bytes(whole[: len(whole) // 2])
+    assert drop_damaged_cache_entries(str(tmp_path)) == ["jit_eval-3c4d-cache"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_step-1a2b-atime", "jit_step-1a2b-cache"]
+    assert drop_damaged_cache_entries(str(tmp_path / "none yet")) == []
