@@ -63,13 +63,13 @@ def _environment():
     return env
 
 
-def read_template(directory: str, path: str = "") -> str:
-    """The chat template: `path`'s text when given, else the model dir's `chat_template.jinja` or
-    `tokenizer_config.json`'s `chat_template`."""
+def read_template(directory: str, path: str = "", flag: str = "data.chat_template") -> str:
+    """The chat template: `path`'s text when given (its errors name `flag`, the setting that gave it), else the model
+    dir's `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`."""
     if path:
         if not os.path.isfile(path):
-            raise ConfigError(f"data.chat_template: {path} not found; give a Jinja chat template file")
-        return _text(path, "data.chat_template: ")
+            raise ConfigError(f"{flag}: {path} not found; give a Jinja chat template file")
+        return _text(path, f"{flag}: ")
     jinja = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja):
         return _text(jinja)

@@ -119,6 +119,7 @@ def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
 
 def cmd_generate(args) -> int:
     from metatrain import paths
+    from metatrain.data import chat
     from metatrain.errors import ConfigError
     from metatrain.generation import model as model_of
     from metatrain.models import decode
@@ -128,8 +129,7 @@ def cmd_generate(args) -> int:
     cfg, params, tok, template, context = _model(args.src, args.what, args.tokenizer)
     if args.chat_template:  # the given template, over a run's data.chat_template and the tokenizer's
         template = paths.local(args.chat_template)
-        if not os.path.isfile(template):
-            raise ConfigError(f"generate --chat-template: {template} not found; give a Jinja chat template file")
+        chat.read_template("", template, flag="generate --chat-template")  # a missing or non-UTF-8 file, named
     prompts = _prompts(args)
     ids = _encode(prompts, tok, args, template)
     _check_sizes(cfg, ids, args, context)

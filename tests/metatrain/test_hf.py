@@ -319,7 +319,10 @@ def test_generate_command_prints_the_models_greedy_text(checkpoints, tmp_path, c
     assert cli.main(["generate", f"hf:{directory}", "--prompt", prompt, "--chat", "--chat-template",
                      str(tmp_path / "t.jinja"), "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == tok.decode([t for t in new if t != tok.eot]) + "\n"
+    (tmp_path / "latin.jinja").write_bytes("caf\xe9 {{ messages }}".encode("latin-1"))
     for flags, says in ((["--chat-template", str(tmp_path / "none.jinja")], "generate --chat-template"),
+                        (["--chat-template", str(tmp_path / "latin.jinja")],
+                         f"generate --chat-template: {tmp_path / 'latin.jinja'} is not UTF-8 text"),
                         (["--stop", ""], "generate --stop")):
         assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat", *flags]) == 2
         one_line_error(capsys.readouterr().err, says)
