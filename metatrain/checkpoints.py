@@ -202,8 +202,8 @@ class Checkpoints:
             paths.remove_settled(*(str(path) for path in half if not paths.is_remote(str(path))))
         self.failed = True
         text = str(error)
-        reason = next((why for why in (*paths.WRITE_REFUSED, "Read-only file system") if why in text),
-                      first_line(error))
+        reason = paths.refused_words(text) or ("Read-only file system" if "Read-only file system" in text else
+                                               first_line(error))
         step = half[0].name.split(".")[0] if half else "?"
         latest = workdir_lib.latest_step(self.workdir)
         then = (f"checkpoint {latest} is the newest intact one: make room there (or lower keep_checkpoints) and run "

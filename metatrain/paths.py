@@ -133,12 +133,17 @@ def remove_settled(*paths: str, settle: float = 0.2, limit: float = 5.0) -> None
             return
 
 
+def refused_words(text: str) -> str | None:
+    """The words (`WRITE_REFUSED`) in an error's text that say the disk refused a write, else None."""
+    return next((why for why in WRITE_REFUSED if why in text), None)
+
+
 @contextlib.contextmanager
 def naming(path: str):
     """A write that fails in the block (a full disk, a quota, a file size limit) is an OSError naming `path`: Python's
     errors for a write to an open file name none, Arrow's and ArrayRecord's only say it in words, so the error line
     could only say "writing a file failed"."""
-    worded = lambda e: next((code for code, why in zip(REFUSED_ERRNOS, WRITE_REFUSED) if why in str(e)), None)
+    worded = lambda e: REFUSED_ERRNOS[WRITE_REFUSED.index(why)] if (why := refused_words(str(e))) else None
     try:
         yield
     except OSError as e:

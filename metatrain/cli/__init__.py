@@ -11,7 +11,6 @@ the signal's number.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import re
 import signal
@@ -120,12 +119,12 @@ def _out_of_room(error: BaseException, command: str = "") -> str | None:
     again = "make room there and run again"
     if command in RESUMES:
         again += f" (with --resume to continue {RESUMES[command]})"
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"writing {error.filename or 'a file'} failed ({error.strerror}); {again}"
-    from metatrain.paths import WRITE_REFUSED
+    from metatrain.paths import REFUSED_ERRNOS, refused_words
 
+    if isinstance(error, OSError) and error.errno in REFUSED_ERRNOS:
+        return f"writing {error.filename or 'a file'} failed ({error.strerror}); {again}"
     text = str(error)
-    why = next((why for why in WRITE_REFUSED if why in text), None)
+    why = refused_words(text)
     if why:  # TensorStore's (Orbax's writes): "... Error writing local file \"PATH\": ... No space left on device"
         file = re.search(r'local file "([^"]+)"', text) or re.search(r'Failed writing:? "([^"]+)"', text)
         return f"writing {file.group(1) if file else 'a file'} failed ({why}); {again}"
