@@ -77,7 +77,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     kv_heads = _field(hf, "num_key_value_heads", where, default=heads) or heads
     if kv_heads < 0 or heads % kv_heads:
         raise ConfigError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
-    head_dim = _field(hf, "head_dim", where, default=0) or 0
+    head_dim = _field(hf, "head_dim", where, default=0)
     if head_dim < 0 or (not head_dim and hidden % heads):
         raise ConfigError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}, and "
                           f"head_dim={head_dim} does not give the per-head size")
