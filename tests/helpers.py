@@ -48,9 +48,14 @@ def env(devices: int | None = 1, **extra) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path, XLA_FLAGS=f"{flags}{count}".strip(), **extra)
 
 
-def metatrain(*args, devices: int | None = 1, background: bool = False, cwd=None, extra_env=None):
-    """`metatrain ARGS...` in a subprocess: its CompletedProcess (text), or the Popen when `background`."""
+def metatrain(*args, devices: int | None = 1, background: bool = False, cwd=None, extra_env=None,
+              file_limit_kib: int | None = None):
+    """`metatrain ARGS...` in a subprocess: its CompletedProcess (text), or the Popen when `background`.
+    `file_limit_kib`: the files it writes hold at most that many KiB (`ulimit -f`, SIGXFSZ ignored), so a longer write
+    fails (EFBIG) as on a full disk, without root."""
     cmd = [sys.executable, "-m", "metatrain.cli", *map(str, args)]
+    if file_limit_kib is not None:
+        cmd = ["bash", "-c", f'trap "" XFSZ; ulimit -f {file_limit_kib}; exec "$@"', "bash", *cmd]
     e = env(devices, **(extra_env or {}))
     if background:
         return subprocess.Popen(cmd, env=e, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -162,7 +162,7 @@ def test_a_build_the_disk_refuses_is_one_line_naming_the_dataset_and_leaves_noth
     import base64
     import os
 
-    from helpers import env
+    from helpers import metatrain
 
     src = tmp_path / "src"
     src.mkdir()
@@ -170,8 +170,7 @@ def test_a_build_the_disk_refuses_is_one_line_naming_the_dataset_and_leaves_noth
         (src / f"doc{i}.txt").write_text(base64.b64encode(os.urandom(6000)).decode())
     data_dir = tmp_path / "tfds"
     build = ["data", "build", str(src), "--name", "big_docs", "--data-dir", str(data_dir)]
-    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
-                          "metatrain.cli", *build], env=env(), capture_output=True, text=True)
+    res = metatrain(*build, file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr.replace("\r", "\n"), f"metatrain data: error: writing {data_dir}/big_docs failed (File "
                                                    f"too large); make room there and run again")

@@ -249,12 +249,10 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(shared_run, 
     scores (24 bytes each) do not fit; 60 fit, and the parquet part of the 30 kept then does not. The scores file
     died in numpy's `tofile` ("OSError: 4096 requested and 341 written", a traceback) and Arrow's error named no
     file ("writing a file failed")."""
-    import subprocess
-    import sys
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from helpers import env, one_line_error
+    from helpers import metatrain, one_line_error
 
     path, lines = _corpus(tmp_path, n_docs=n_docs)
     if kind == "parquet":
@@ -262,9 +260,8 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(shared_run, 
         path = tmp_path / "corpus.parquet"
         pq.write_table(pa.Table.from_pylist(rows), path)
     out = tmp_path / "cur"
-    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
-                          "metatrain.cli", "filter", str(shared_run["workdir"]), "--data", f"{kind}:{path}", "--out",
-                          str(out), "--drop", "0.5"], env=env(), capture_output=True, text=True)
+    res = metatrain("filter", shared_run["workdir"], "--data", f"{kind}:{path}", "--out", out, "--drop", "0.5",
+                    file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, f"metatrain filter: error: writing {out}/{file} failed (File too large); make room "
                                "there and run again")

@@ -177,16 +177,11 @@ def test_missing_dir_and_chinchilla_export_give_one_line(shared_run, tmp_path, c
 def test_an_import_the_disk_refuses_is_one_line_and_leaves_nothing(checkpoints, tmp_path):
     """A file size limit stands in for the full disk (writes fail alike, without root). Orbax's other writes failed
     too and came out as tracebacks ("Event loop is closed", its background thread's) above the one line."""
-    import subprocess
-    import sys
-
-    from helpers import env
+    from helpers import metatrain
 
     directory, _, _ = checkpoints["llama-tied-mha"]
     out = tmp_path / "sub" / "imported"
-    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
-                          "metatrain.cli", "import", "hf", str(directory), "--out", str(out)], env=env(),
-                         capture_output=True, text=True)
+    res = metatrain("import", "hf", directory, "--out", out, file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, f"metatrain import: error: writing {out}/params.orbax-checkpoint-tmp/",
                    "failed (File too large); make room there and run again")

@@ -4,12 +4,10 @@ hang, a wrong file or lost files."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from helpers import cli_run as _main
-from helpers import env, one_line_error
+from helpers import metatrain, one_line_error
 
 from metatrain import cli
 
@@ -219,10 +217,7 @@ def test_export_that_cannot_write_is_one_line_and_leaves_nothing(shared_run, tmp
     """A full disk while `export` wrote gave Orbax's traceback and left a half-written `params.orbax-checkpoint-tmp`
     in OUT. A file size limit stands in for the full disk (its writes fail alike, without root)."""
     out = tmp_path / "sub" / "export"
-    # ulimit -f: files of at most 4 KiB; SIGXFSZ ignored, so a longer write fails (EFBIG) instead of killing
-    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 4; exec "$@"', "bash", sys.executable, "-m",
-                          "metatrain.cli", "export", str(shared_run["workdir"]), "--out", str(out)],
-                         env=env(), capture_output=True, text=True)
+    res = metatrain("export", shared_run["workdir"], "--out", out, file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, f"metatrain export: error: writing {out}/params.orbax-checkpoint-tmp/",
                    "failed (File too large); make room there and run again")

@@ -444,15 +444,13 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_run_resumes(sha
     tracebacks. Here a file size limit stands in for it (its writes fail alike, without root or a small file system):
     one line naming the newest intact checkpoint, the half-written one removed, and the run resumes from it."""
     workdir = _copy(shared_run, tmp_path)
-    run = [sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={workdir}", "log.wandb=false", "steps=6"]
-    # ulimit -f: files of at most 16 KiB; SIGXFSZ ignored, so a longer write fails (EFBIG) instead of killing
-    limited = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; exec "$@"', "bash", *run,
-                              "checkpoint_every=1", "--resume"], env=env(), capture_output=True, text=True)
+    run = ["train", *TINY, f"workdir={workdir}", "log.wandb=false", "steps=6"]
+    limited = metatrain(*run, "checkpoint_every=1", "--resume", file_limit_kib=16)  # files of at most 16 KiB
     assert limited.returncode == 2, limited.stderr[-3000:]
     one_line_error(limited.stderr, "checkpoint 5 could not be written in", "(File too large)",
                    "checkpoint 4 is the newest intact one", "run again with --resume")
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
-    res = subprocess.run([*run, "--resume"], env=env(), capture_output=True, text=True)
+    res = metatrain(*run, "--resume")
     assert res.returncode == 0 and checkpoints(workdir)[-1] == 6, res.stderr[-3000:]
 
 
@@ -461,10 +459,7 @@ def test_metrics_the_disk_refuses_are_one_line_naming_the_folder(tmp_path):
     hook) and "writing a file failed". A file size limit stands in for the full disk (writes fail alike, without
     root); the TensorBoard events file (about 60 bytes a row's scalar) passes it first."""
     workdir = tmp_path / "run"
-    run = [sys.executable, "-m", "metatrain.cli", "train", *TINY, f"workdir={workdir}", "steps=200",
-           "checkpoint_every=100000"]
-    res = subprocess.run(["bash", "-c", 'trap "" XFSZ; ulimit -f 6; exec "$@"', "bash", *run], env=env(),
-                         capture_output=True, text=True)
+    res = metatrain("train", *TINY, f"workdir={workdir}", "steps=200", "checkpoint_every=100000", file_limit_kib=6)
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, f"metatrain train: error: writing {workdir}/tensorboard failed (File too large)")
     assert "Exception ignored" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr[-3000:]
