@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from metatrain.argtypes import number, positive_int
 from metatrain.entry import hugepage_env
 
 
@@ -73,29 +74,15 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
     return code if code > 0 else 1
 
 
-def _number(kind, low: float, high: float, what: str):
-    """An argparse type: a `kind` in [low, high]; the error says `what` the range is."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' * (kind is int)}number") from None
-        if not low <= value <= high:  # (NaN is in no range)
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return value
-
-    return parse
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metatrain.launch.local", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--processes", type=_number(int, 1, float("inf"), ">= 1"), default=2)
-    parser.add_argument("--devices", type=_number(int, 1, float("inf"), ">= 1"), default=4,
+    parser.add_argument("--processes", type=positive_int, default=2)
+    parser.add_argument("--devices", type=positive_int, default=4,
                         help="simulated CPU devices per process")
-    parser.add_argument("--port", type=_number(int, 0, 65535, "a TCP port, 1 to 65535 (0: a free one)"), default=0,
+    parser.add_argument("--port", type=number(int, 0, 65535, "a TCP port, 1 to 65535 (0: a free one)"), default=0,
                         help="coordinator port (default: a free one)")
-    parser.add_argument("--grace", type=_number(float, 0, float("inf"), "a number of seconds >= 0"), default=10.0,
+    parser.add_argument("--grace", type=number(float, 0, float("inf"), "a number of seconds >= 0"), default=10.0,
                         help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then a metatrain command, e.g. train ...")
     args = parser.parse_args(argv)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
 from tqdm import tqdm
 
+from metatrain.argtypes import fraction, nonnegative_int, positive_float, positive_int  # noqa: F401 (the commands' types)
 from metatrain.models import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS
 from metatrain.tasks import BUILTIN
 from metatrain.unroll import KEPT_STATES
@@ -17,49 +17,6 @@ from metatrain.unroll import KEPT_STATES
 MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff", "vocab_size": "--vocab",
                "n_layers": "--n-layers"}
 TASK_HELP = " | ".join(BUILTIN) + " | package.module:Class"
-
-
-def _whole(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _whole(text, 1)
-
-
-def nonnegative_int(text: str) -> int:
-    return _whole(text, 0)
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0 (a tolerance, a step)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def fraction(what: str, zero: bool = False):
-    """An argparse type: a number in (0, 1), or [0, 1) with `zero`; the error names `what`."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not ((0 <= value) if zero else (0 < value)) or not value < 1:
-            raise argparse.ArgumentTypeError(f"{what} must be in {'[' if zero else '('}0, 1), got {value}")
-        return value
-
-    return parse
 
 
 def progress(it, desc=""):

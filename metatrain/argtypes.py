@@ -1,0 +1,63 @@
+"""argparse types for numbers in a range, shared by the `metatrain` commands and the launchers.
+
+Standard library only: the launchers (`python -m metatrain.launch.local`) parse their flags without importing JAX.
+Each raises `argparse.ArgumentTypeError`, which argparse prints as one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def number(kind, low: float, high: float, what: str):
+    """An argparse type: a `kind` (int or float) in [low, high].
+
+    Args:
+      kind: `int` or `float`.
+      low: the smallest value allowed.
+      high: the largest value allowed (`math.inf`: no bound).
+      what: the range in words, for the error ("must be {what}, got ...").
+
+    Returns:
+      A function from the flag's text to its value.
+    """
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' * (kind is int)}number") from None
+        if not low <= value <= high:  # (NaN is in no range)
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, 1, math.inf, ">= 1")
+nonnegative_int = number(int, 0, math.inf, ">= 0")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a tolerance, a step)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def fraction(what: str, zero: bool = False):
+    """An argparse type: a number in (0, 1), or [0, 1) with `zero`; the error names `what`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((0 <= value) if zero else (0 < value)) or not value < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be in {'[' if zero else '('}0, 1), got {value}")
+        return value
+
+    return parse
