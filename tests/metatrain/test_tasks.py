@@ -141,6 +141,7 @@ def test_a_task_that_brings_its_own_model_trains_checks_and_compiles(tmp_path):
     assert res.returncode == 0 and "all 3 variants within tolerance" in res.stdout, res.stdout + res.stderr[-3000:]
     res = metatrain("compile", "--task", "custom_tasks:OwnModel", "--model", "tiny", "--batch", "2", "--seq-len", "16")
     assert res.returncode == 0 and "per-device memory" in res.stdout, res.stderr[-3000:]
+    assert "on CPU there is no device memory to fit in" in res.stdout, res.stdout  # no fits line there
     res = metatrain("eval", tmp_path / "run")
     assert res.returncode == 2, res.stderr[-3000:]
     one_line_error(res.stderr, "brings its own model, not a language model")
