@@ -2,10 +2,11 @@
 # The GPU measurements in one run, on one NVIDIA GPU (H100 or H200), the most telling first: step time of
 # autodiff+remat against mixflow+remat+save at 44m in interleaved rounds with each side's top XLA ops (JAX profiler;
 # each op's shape and JAX source, the compiled programs beside the traces), the same with cuBLAS instead of
-# Triton for the matrix products, what fills each side's compiled peak at 44m (XLA's buffer assignment) and the
-# same compiled for a described GPU of its kind without the device (`--topology h100|h200`), then each side's
-# measured peak beside its compiled one, one process per model size and variant, and last the largest preset each
-# side fits with every option as compiled for an H200, run. MAML, B=4, S=2048, T=2, float32.
+# Triton for the matrix products, the same with bfloat16 compute on both sides, what fills each side's compiled
+# peak at 44m (XLA's buffer assignment) and the same compiled for a described GPU of its kind without the device
+# (`--topology h100|h200`), then each side's measured peak beside its compiled one, one process per model size and
+# variant, and last the largest preset each side fits with every option as compiled for an H200, run. MAML, B=4,
+# S=2048, T=2, float32.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # OUT: the results' folder (default: $OUT, else gpu_bench)
 #
@@ -83,6 +84,12 @@ step "time_$speed: step time, 7 interleaved rounds, then 3 profiled steps per va
 step "time_${speed}_cublas: the same, 5 rounds, --xla_gpu_enable_triton_gemm=false" "${SPEED_TIMEOUT:-240}" \
   env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" "$py" -m metatrain.cli bench time \
   "${problem[@]}" --model "$speed" "${variants[@]}" --rounds 5 --json "$out/time_${speed}_cublas.json"
+# both sides with bfloat16 compute (+bf16: the matrix products and activations, float32 parameters and states): the
+# other lever on the step time that changes no algorithm
+step "time_${speed}_bf16: both sides +bf16, 5 rounds" "${SPEED_TIMEOUT:-240}" \
+  "$py" -m metatrain.cli bench time "${problem[@]}" --model "$speed" \
+  --variants autodiff+remat+bf16,mixflow+remat+save+bf16 --baseline autodiff+remat+bf16 --rounds 5 \
+  --json "$out/time_${speed}_bf16.json"
 # what fills each side's compiled peak at the speed size, from XLA's buffer assignment, then the same two programs
 # compiled for a described GPU of this kind (--topology: JAX's CUDA plugin without the device, as on a machine
 # without a GPU): equal peaks mean that ahead-of-time GPU figures hold here
