@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
 
+from metatrain import argtypes
 from metatrain.cli import common
 
 
@@ -163,24 +165,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _at_least_zero(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _top_p(text: str) -> float:
     import argparse
 
-    value = _at_least_zero(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    value = argtypes.number(float, 0, 1, "in (0, 1]")(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 
@@ -199,7 +189,8 @@ def register(sub) -> None:
                    help="a run's inner model (default) or its uniform baseline's")
     p.add_argument("--tokenizer", default=None, help="default: the source's (hf:DIR, or the run's encoding)")
     p.add_argument("--max-new-tokens", type=common.positive_int, default=64)
-    p.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0: greedy (default)")
+    p.add_argument("--temperature", type=argtypes.number(float, 0, math.inf, ">= 0"), default=0.0,
+                   help="0: greedy (default)")
     p.add_argument("--top-k", type=common.nonnegative_int, default=0, help="0 (or above the vocabulary): all tokens")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1: all tokens")
     p.add_argument("--seed", type=common.nonnegative_int, default=0)

@@ -122,6 +122,9 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     (["data", "stats", "--max-docs", "-1"], "argument --max-docs: must be >= 0, got -1"),
     (["data", "bench", "--seconds", "-1"], "argument --seconds: must be a finite number > 0, got -1"),
     (["check-grads", "--seed", "-3"], "argument --seed: must be >= 0, got -3"),
+    (["generate", "run", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["generate", "run", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["generate", "run", "--prompt", "hi", "--top-p", "nan"], "argument --top-p: must be in (0, 1], got nan"),
 ])
 def test_a_flag_below_its_range_is_refused(capsys, argv, message):
     """Each was taken: a heartbeat timeout of 0 s, -1 documents, -1 s of benchmark ("0 tokens/s")."""
