@@ -26,8 +26,11 @@ def _model(src: str, what: str | None, tokenizer: str | None):
         return cfg, params, load_tokenizer(tokenizer or HF_PREFIX + directory), "", context
     exported = export_lib.read_source(src, what or "inner", command="generate")
     info = exported.info
+    if info.get("lora") is not None:  # `export --adapters`: the adapters alone, without the base they adapt
+        raise ConfigError(f"{src} holds LoRA adapters alone (export --adapters); give the run they came from, or "
+                          "its merged model (metatrain export RUN --what inner --out DIR)")
     if exported.model is None or exported.model.head != "lm":
-        raise ConfigError(f"generate: {src} holds no language model ({info.get('what')}); give a run, an "
+        raise ConfigError(f"{src} holds no language model ({info.get('what')}); give a run, an "
                           "export dir of a model, or hf:DIR")
     context = (info.get("hf_config") or {}).get("max_position_embeddings")
     template = exported.run.cfg.data.chat_template if exported.run is not None else ""

@@ -222,6 +222,9 @@ def test_train_from_hf_then_export_each_model(checkpoints, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(scorer["embed"]), hf.read(str(directory))[1]["embed"])
     assert saved["lora"]["rank"] == 4 and saved["model"] is None and saved["base"] == f"hf:{directory}"
     assert (tmp_path / "inner" / "tokenizer.json").exists()
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "adapters"), "--prompt", "hi"]) == 2  # no base model beside them
+    one_line_error(capsys.readouterr().err, "holds LoRA adapters alone (export --adapters); give the run they came")
     # the adapters in PEFT's format: peft puts them on the base model, and its logits are the merged model's
     peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
     assert cli.main(["export", str(run), "--adapters", "--format", "hf", "--out", str(tmp_path / "peft")]) == 0
