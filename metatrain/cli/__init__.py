@@ -168,7 +168,10 @@ def main(argv=None) -> int:
             args.json = paths.output_file(args.json, "--json")
         return args.fn(args)
     except MetatrainError as e:
-        print(f"metatrain {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        said = " ".join(str(e).split())
+        if said.startswith(f"{args.command}: "):  # the library's own prefix (for Python callers), said once here
+            said = said[len(args.command) + 2:]
+        print(f"metatrain {args.command}: error: {said}", file=sys.stderr)
         return 2
     except Exception as e:
         stop = _stop_behind(e)

@@ -101,3 +101,21 @@ def test_a_stop_waits_for_the_xla_compile_in_flight(monkeypatch, capsys):
     assert cli.main(["fit"]) == 128 + signal.SIGTERM
     assert compiled == [True] and after == []
     assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain fit: stopped by SIGTERM"
+
+
+def test_an_error_names_its_command_once(monkeypatch, capsys):
+    """The library prefixes some errors with the command for Python callers ("scores: ..."); the command line names
+    the command already ("metatrain scores: error:") and leaves that prefix out."""
+    from metatrain.errors import ConfigError, DataError
+
+    def scores(args):
+        raise DataError("scores: data.jsonl holds no documents")
+
+    def generate(args):
+        raise ConfigError("generate --what inner: run is a pretrain run")  # a flag named: kept
+
+    _commands(monkeypatch, scores=scores, generate=generate)
+    assert cli.main(["scores"]) == 2
+    assert capsys.readouterr().err == "metatrain scores: error: data.jsonl holds no documents\n"
+    assert cli.main(["generate"]) == 2
+    assert capsys.readouterr().err == "metatrain generate: error: generate --what inner: run is a pretrain run\n"
