@@ -36,6 +36,7 @@ def cmd_train(args) -> int:
     from metatrain import config as config_lib
     from metatrain import distributed, tracking
     from metatrain import workdir as workdir_lib
+    from metatrain.errors import ConfigError
     from metatrain.plot import plot_runs
 
     joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
@@ -45,12 +46,18 @@ def cmd_train(args) -> int:
     if getattr(args, "baseline", None):
         overrides.append(f"baseline={args.baseline}")
     default_preset = "pretrain" if args.command == "pretrain" else "default"
-    _refuse_the_other_kind(args.command, config_lib.load(preset or default_preset, overrides).workdir)
-    cfg, resume = workdir_lib.run_config(preset, overrides, args.resume, default_preset=default_preset)
+    try:
+        cfg, resume = workdir_lib.run_config(preset, overrides, args.resume, default_preset=default_preset)
+    except ConfigError:  # a run of the other command is named as such, not by the settings where it differs
+        _refuse_the_other_kind(args.command, config_lib.load(preset or default_preset, overrides).workdir)
+        raise
     if joined == distributed.SINGLE:
         from metatrain.sharding import cpu_device_count, split_cpu
 
         split_cpu(cpu_device_count(cfg.mesh, cfg.data.batch, cfg.population.axis))
+    # after the split: reading a checkpoint's metadata (Orbax) starts JAX's backends, and a resumed run would get
+    # one CPU device where its first start had the split
+    _refuse_the_other_kind(args.command, cfg.workdir)
     if args.command == "pretrain":
         from metatrain.pretrain import Pretrainer
 

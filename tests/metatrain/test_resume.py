@@ -82,3 +82,13 @@ def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
     assert res.returncode == 0 and "from step 2" in res.stdout, res.stderr[-3000:]
     for key in ("meta", "inner", "base"):
         assert_same_float64(reference[key], saved_float64_state(moved, 4)[key], f"8 devices -> 1, {key}")
+
+
+def test_a_resumed_run_gets_the_cpu_devices_of_its_first_start(tmp_path):
+    """mesh.cpu_devices splits the CPU into devices before JAX starts; a resume read its checkpoint's metadata first
+    (is it a `pretrain` run?), which started JAX, and ran on one device where the first start had two."""
+    run = [*TINY, "mesh.cpu_devices=2", "baseline=none", "eval_every=0", "checkpoint_every=1", NO_WANDB,
+           f"workdir={tmp_path}"]
+    for argv in (["steps=1"], ["steps=2", "--resume"]):
+        res = metatrain("train", *run, *argv, devices=None)
+        assert res.returncode == 0 and "2x1 (data x fsdp) cpu devices" in res.stdout, res.stdout + res.stderr[-3000:]
