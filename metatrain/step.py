@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from metatrain import collector, population
-from metatrain.config import Config, MetaOptConfig, meta_model_config
+from metatrain.config import AUTO, Config, MetaOptConfig, meta_model_config
 from metatrain.data.pipeline import DataConfig, device_features
 from metatrain.models import dense
 from metatrain.plan import Plan
@@ -246,9 +246,11 @@ def meta_program(cfg: Config, mesh: jax.sharding.Mesh, mode: str | None = None,
     """
     task = make_task(cfg.task, **task_arguments(cfg))
     meta_opt = meta_optimizer(cfg.meta_opt, cfg.steps)
-    g = cfg.metagrad  # the same fields as MetaGradMethod's, where `auto` may stand until overridden here
-    method = MetaGradMethod(**dataclasses.asdict(g) | {"mode": mode or g.mode,
-                                                         "kept_states": kept_states or g.kept_states})
+    g = cfg.metagrad  # the same fields as MetaGradMethod's, where `auto` may stand until overridden here; where it
+    # is not (the state's shapes of an `auto` run), a candidate stands in: the state is the same for every candidate
+    method = MetaGradMethod(**dataclasses.asdict(g) | {
+        "mode": mode or ("mixflow" if g.mode == AUTO else g.mode),
+        "kept_states": kept_states or ("every_step" if g.kept_states == AUTO else g.kept_states)})
     o, pop = cfg.meta_opt, cfg.population
     stacked = pop.size > 1 and pop.reduce == "update"
     held_opt = population.stack_optimizer(meta_opt, pop.size) if stacked else meta_opt

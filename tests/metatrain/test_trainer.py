@@ -182,6 +182,17 @@ def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
     assert peak("sqrt") < peak("every_step")
 
 
+@pytest.mark.slow
+def test_train_with_mode_auto(tmp_path, capsys):
+    """`metatrain train metagrad.mode=auto` stopped at the state's shapes ("unknown meta-gradient mode 'auto'"); it
+    compiles its three candidates and runs the lowest peak."""
+    run = [*TINY, "task=maml", "metagrad.mode=auto", "checkpoint_every=2", "eval_every=0", f"workdir={tmp_path}"]
+    assert cli.main(["train", *run, "steps=2"]) == 0
+    choice = json.loads((tmp_path / "mode_auto.json").read_text())
+    assert len(choice["candidates"]) == 3 and "auto: autodiff peak" in capsys.readouterr().err
+    assert json.loads((tmp_path / "outer_step.json").read_text())["mode"] == choice["mode"]
+
+
 def test_roc_auc_against_the_rank_formula():
     from metatrain.tasks.weight_eval import roc_auc
 
