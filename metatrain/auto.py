@@ -5,12 +5,18 @@ each kept-states schedule (every_step, sqrt). All of them compute the same meta-
 (`metatrain check-grads` shows it), so the choice changes memory and time only: the lowest peak memory
 wins, and among candidates within 1% of it, the fewest FLOPs. The winner's compiled program is the one
 the Trainer runs (no second compile).
+
+A resumed single-process run takes the choice of its first start (`mode_auto.json` in its work dir) where it runs
+on the same devices, mesh and JAX: one compile instead of one per candidate. Anywhere else it chooses again (the
+checkpoint's layout is the same for every candidate).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 
 import jax
 
@@ -41,6 +47,30 @@ def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program
     choice = {"mode": figures[best]["mode"], "kept_states": figures[best]["kept_states"],
               "candidates": figures}
     return choice, *built[best]
+
+
+def where(mesh: jax.sharding.Mesh) -> dict:
+    """What a choice holds for: the devices, the mesh, the processes and the JAX that compiled the candidates."""
+    return {"device_kind": mesh.devices.flat[0].device_kind, "platform": mesh.devices.flat[0].platform,
+            "mesh": {name: int(size) for name, size in mesh.shape.items()}, "processes": jax.process_count(),
+            "jax": jax.__version__}
+
+
+def earlier(path: str, cfg: Config, mesh: jax.sharding.Mesh) -> dict | None:
+    """The choice saved at `path` by an earlier start of this run, where it holds here (one process, the same
+    `where`, candidates of this version's modes and schedules); else None."""
+    if jax.process_count() > 1 or not os.path.isfile(path):
+        return None  # (several processes: each would have to find the same file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            choice = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(choice, dict) or choice.get("where") != where(mesh):
+        return None
+    modes = MODES if cfg.metagrad.mode == AUTO else (cfg.metagrad.mode,)
+    schedules = SCHEDULES if cfg.metagrad.kept_states == AUTO else (cfg.metagrad.kept_states,)
+    return choice if choice.get("mode") in modes and choice.get("kept_states") in schedules else None
 
 
 def describe(choice: dict) -> str:

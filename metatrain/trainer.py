@@ -133,10 +133,18 @@ class Trainer:
         is the same for every candidate: they differ in how the meta-gradient is computed)."""
         if program.method is None or AUTO not in (self.cfg.metagrad.mode, self.cfg.metagrad.kept_states):
             return program, aot.compile(step_lib.lower(program))
+        saved = os.path.join(workdir_lib.log_dir(self.cfg.workdir), "mode_auto.json")
+        resumed = workdir_lib.latest_step(self.cfg.workdir) is not None  # (the run's config: checked before)
+        choice = auto.earlier(saved, self.cfg, self.mesh) if resumed else None
+        if choice is not None:
+            program = step_lib.meta_program(self.cfg, self.mesh, choice["mode"], choice["kept_states"])
+            tqdm.write(f"auto: metagrad.mode={choice['mode']} metagrad.kept_states={choice['kept_states']}, the "
+                       f"choice of the run's first start ({saved})", file=sys.stderr)
+            return program, aot.compile(step_lib.lower(program))
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:
             tqdm.write(auto.describe(choice), file=sys.stderr)
-            self._write_json("mode_auto.json", choice)
+            self._write_json("mode_auto.json", choice | {"where": auto.where(self.mesh)})
         return program, compiled
 
     def _write_json(self, name: str, payload: dict) -> None:

@@ -183,14 +183,33 @@ def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_with_mode_auto(tmp_path, capsys):
-    """`metatrain train metagrad.mode=auto` stopped at the state's shapes ("unknown meta-gradient mode 'auto'"); it
-    compiles its three candidates and runs the lowest peak."""
+def test_a_resumed_auto_run_takes_its_first_starts_choice(tmp_path, monkeypatch, capsys):
+    """`metatrain train metagrad.mode=auto` (it stopped at the state's shapes: "unknown meta-gradient mode 'auto'")
+    compiles its three candidates and runs the lowest peak; a resume on the same devices compiles the chosen one
+    alone; where the devices, mesh or JAX differ it chooses again. (The chosen program is the one the first start
+    ran, so the resumed steps are those of an uninterrupted run, as tests/metatrain/test_resume.py shows for any
+    program.)"""
+    from metatrain import auto
+
     run = [*TINY, "task=maml", "metagrad.mode=auto", "checkpoint_every=2", "eval_every=0", f"workdir={tmp_path}"]
     assert cli.main(["train", *run, "steps=2"]) == 0
     choice = json.loads((tmp_path / "mode_auto.json").read_text())
-    assert len(choice["candidates"]) == 3 and "auto: autodiff peak" in capsys.readouterr().err
+    assert len(choice["candidates"]) == 3 and choice["where"]["mesh"] == {"data": 1, "fsdp": 1}
+    assert "auto: autodiff peak" in capsys.readouterr().err
     assert json.loads((tmp_path / "outer_step.json").read_text())["mode"] == choice["mode"]
+
+    def refused(*args):
+        raise AssertionError("chose again")
+
+    monkeypatch.setattr(auto, "choose", refused)
+    assert cli.main(["train", *run, "steps=4", "--resume"]) == 0
+    assert (f"auto: metagrad.mode={choice['mode']} metagrad.kept_states={choice['kept_states']}, the choice of the "
+            f"run's first start ({tmp_path / 'mode_auto.json'})") in capsys.readouterr().err
+    assert json.loads((tmp_path / "outer_step.json").read_text())["mode"] == choice["mode"]
+    # another JAX (or devices, or mesh) than the choice was made with: chosen again
+    (tmp_path / "mode_auto.json").write_text(json.dumps(choice | {"where": choice["where"] | {"jax": "0.0.0"}}))
+    with pytest.raises(AssertionError, match="chose again"):
+        cli.main(["train", *run, "steps=6", "--resume"])
 
 
 def test_roc_auc_against_the_rank_formula():
