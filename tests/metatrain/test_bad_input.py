@@ -90,6 +90,12 @@ def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(shared_run, tmp_p
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     steps = [r["step"] for r in rows if "meta_grad_norm" in r]
     assert steps == [1, 2, 3] and all(r.get("outer_loss") != 9.0 for r in rows)
+    # its adapters in PEFT's format: refused as the merged model is, for a base (GELU MLP) transformers has no class for
+    capsys.readouterr()
+    peft = tmp_path / "peft"
+    assert cli.main(["export", str(tmp_path / "run"), "--adapters", "--format", "hf", "--out", str(peft)]) == 2
+    one_line_error(capsys.readouterr().err, "transformers has no Llama or Qwen2 class for a GELU MLP")
+    assert not peft.exists()
 
 
 def test_reading_a_run_logs_no_missing_metadata_warning(shared_run, tmp_path, caplog):
