@@ -62,7 +62,7 @@ def metatrain(*args, devices: int | None = 1, background: bool = False, cwd=None
     return subprocess.run(cmd, env=e, cwd=cwd, capture_output=True, text=True)
 
 
-def train(workdir, *extra, devices: int = 1, resume: bool = False, command: str = "train") -> str:
+def train(workdir, *extra, devices: int | None = 1, resume: bool = False, command: str = "train") -> str:
     """A tiny run in a subprocess that must succeed; returns its stdout."""
     res = metatrain(command, *TINY, f"workdir={workdir}", *extra, *(["--resume"] if resume else []), devices=devices)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -29,12 +29,13 @@ NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log n
 def test_exact_resume_after_sigkill_of_a_lora_population_run(tmp_path):
     """A LoRA run (θ = adapters on a frozen base, rebuilt at start-up rather than saved) of a population of two with
     staggered resets (lifetime 2: a member is reinitialised at every step) killed with SIGKILL resumes
-    bit-identically to a run that was never stopped."""
+    bit-identically to a run that was never stopped. Each on the two CPU devices `mesh.cpu_devices=2` splits the CPU
+    into (the resume read its checkpoint before the split, which started JAX on one device)."""
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     lora = ("inner.lora.rank=4", "meta_model.n_layers=1",  # and a one-layer scorer
-            "population.size=2", "population.lifetime=2")
+            "population.size=2", "population.lifetime=2", "mesh.cpu_devices=2")
     proc = metatrain("train", *TINY, *lora, "baseline=uniform", f"workdir={killed}", "steps=1000", "checkpoint_every=3",
-                     background=True)
+                     background=True, devices=None)
     deadline = time.time() + 300
     while not checkpoints(killed):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -45,10 +46,10 @@ def test_exact_resume_after_sigkill_of_a_lora_population_run(tmp_path):
     latest = checkpoints(killed)[-1]
     assert latest < 1000
     target = latest + 3
-    out = train(killed, f"steps={target}", resume=True)
-    assert f"from step {latest}" in out
+    out = train(killed, f"steps={target}", resume=True, devices=None)
+    assert f"from step {latest}" in out and "2x1 (data x fsdp) cpu devices" in out
     res = metatrain("train", *TINY, *lora, "baseline=uniform", f"workdir={straight}", f"steps={target}",
-                    "checkpoint_every=3")
+                    "checkpoint_every=3", devices=None)
     assert res.returncode == 0, res.stderr[-3000:]
     for step in range(1, target):  # the staggered resets are logged: member 1 at odd steps, member 0 at even
         assert f"step {step + 1}: population member {step % 2} reinitialised" in res.stderr
@@ -83,12 +84,3 @@ def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
     for key in ("meta", "inner", "base"):
         assert_same_float64(reference[key], saved_float64_state(moved, 4)[key], f"8 devices -> 1, {key}")
 
-
-def test_a_resumed_run_gets_the_cpu_devices_of_its_first_start(tmp_path):
-    """mesh.cpu_devices splits the CPU into devices before JAX starts; a resume read its checkpoint's metadata first
-    (is it a `pretrain` run?), which started JAX, and ran on one device where the first start had two."""
-    run = [*TINY, "mesh.cpu_devices=2", "baseline=none", "eval_every=0", "checkpoint_every=1", NO_WANDB,
-           f"workdir={tmp_path}"]
-    for argv in (["steps=1"], ["steps=2", "--resume"]):
-        res = metatrain("train", *run, *argv, devices=None)
-        assert res.returncode == 0 and "2x1 (data x fsdp) cpu devices" in res.stdout, res.stdout + res.stderr[-3000:]
