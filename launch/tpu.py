@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from metatrain.argtypes import nonnegative_int
+
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE = "metatrain-src.tar.gz"
 SKIP = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "build", "dist"}
@@ -247,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-dir", default="~/metatrain")
     p.add_argument("--workdir", required=True, help="the run's work dir, e.g. gs://BUCKET/runs/NAME")
     p.add_argument("--resume", action="store_true", help="the first run already resumes")
-    p.add_argument("--max-restarts", type=int, default=3, help="re-runs with --resume after preemptions")
+    p.add_argument("--max-restarts", type=nonnegative_int, default=3, help="re-runs with --resume after preemptions")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the metatrain command, e.g. train maml")
     return p

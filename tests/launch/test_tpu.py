@@ -100,6 +100,12 @@ def test_launcher_needs_a_command(capsys):
     assert "give the metatrain command" in capsys.readouterr().err
 
 
+def test_a_negative_restart_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        tpu.main(["--name", "x", "--zone", "z", "--workdir", "gs://b/r", "--max-restarts", "-1", "--", "train"])
+    assert "argument --max-restarts: must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
     """A relative work dir lands in the code folder every (re)start replaces: after a preemption `--resume` would
     find no checkpoint and the run's steps would be lost."""
