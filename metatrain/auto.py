@@ -7,12 +7,13 @@ wins, and among candidates within 1% of it, the fewest FLOPs. The winner's compi
 the Trainer runs (no second compile).
 
 A resumed single-process run takes the choice of its first start (`mode_auto.json` in its work dir) where it runs
-on the same devices, mesh and JAX: one compile instead of one per candidate. Anywhere else it chooses again (the
-checkpoint's layout is the same for every candidate).
+on the same devices, mesh and JAX with the same memory settings: one compile instead of one per candidate.
+Anywhere else it chooses again (the checkpoint's layout is the same for every candidate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -49,16 +50,18 @@ def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program
     return choice, *built[best]
 
 
-def where(mesh: jax.sharding.Mesh) -> dict:
-    """What a choice holds for: the devices, the mesh, the processes and the JAX that compiled the candidates."""
+def where(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
+    """What a choice holds for: the devices, the mesh, the processes and the JAX that compiled the candidates, and
+    the memory settings a resumed run may change (`metagrad.*`, the meta-optimizer's offloading)."""
     return {"device_kind": mesh.devices.flat[0].device_kind, "platform": mesh.devices.flat[0].platform,
             "mesh": {name: int(size) for name, size in mesh.shape.items()}, "processes": jax.process_count(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, "metagrad": dataclasses.asdict(cfg.metagrad),
+            "offload_moments": cfg.meta_opt.offload_moments, "offload_params": cfg.meta_opt.offload_params}
 
 
 def earlier(path: str, cfg: Config, mesh: jax.sharding.Mesh) -> dict | None:
     """The choice saved at `path` by an earlier start of this run, where it holds here (one process, the same
-    `where`, candidates of this version's modes and schedules); else None."""
+    `where`, a candidate of this version's modes and schedules); else None."""
     if jax.process_count() > 1 or not os.path.isfile(path):
         return None  # (several processes: each would have to find the same file)
     try:
@@ -66,7 +69,7 @@ def earlier(path: str, cfg: Config, mesh: jax.sharding.Mesh) -> dict | None:
             choice = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(choice, dict) or choice.get("where") != where(mesh):
+    if not isinstance(choice, dict) or choice.get("where") != where(cfg, mesh):
         return None
     modes = MODES if cfg.metagrad.mode == AUTO else (cfg.metagrad.mode,)
     schedules = SCHEDULES if cfg.metagrad.kept_states == AUTO else (cfg.metagrad.kept_states,)

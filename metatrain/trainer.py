@@ -144,7 +144,7 @@ class Trainer:
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:
             tqdm.write(auto.describe(choice), file=sys.stderr)
-            self._write_json("mode_auto.json", choice | {"where": auto.where(self.mesh)})
+            self._write_json("mode_auto.json", choice | {"where": auto.where(self.cfg, self.mesh)})
         return program, compiled
 
     def _write_json(self, name: str, payload: dict) -> None:

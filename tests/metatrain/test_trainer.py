@@ -186,9 +186,9 @@ def test_mode_auto_picks_the_lowest_peak_of_the_real_candidates(tmp_path):
 def test_a_resumed_auto_run_takes_its_first_starts_choice(tmp_path, monkeypatch, capsys):
     """`metatrain train metagrad.mode=auto` (it stopped at the state's shapes: "unknown meta-gradient mode 'auto'")
     compiles its three candidates and runs the lowest peak; a resume on the same devices compiles the chosen one
-    alone; where the devices, mesh or JAX differ it chooses again. (The chosen program is the one the first start
-    ran, so the resumed steps are those of an uninterrupted run, as tests/metatrain/test_resume.py shows for any
-    program.)"""
+    alone; where the devices, mesh, JAX or memory settings differ it chooses again. (The chosen program is the one
+    the first start ran, so the resumed steps are those of an uninterrupted run, as tests/metatrain/test_resume.py
+    shows for any program.)"""
     from metatrain import auto
 
     run = [*TINY, "task=maml", "metagrad.mode=auto", "checkpoint_every=2", "eval_every=0", f"workdir={tmp_path}"]
@@ -206,7 +206,9 @@ def test_a_resumed_auto_run_takes_its_first_starts_choice(tmp_path, monkeypatch,
     assert (f"auto: metagrad.mode={choice['mode']} metagrad.kept_states={choice['kept_states']}, the choice of the "
             f"run's first start ({tmp_path / 'mode_auto.json'})") in capsys.readouterr().err
     assert json.loads((tmp_path / "outer_step.json").read_text())["mode"] == choice["mode"]
-    # another JAX (or devices, or mesh) than the choice was made with: chosen again
+    # other memory settings (metagrad.* may change on resume), or another JAX, devices or mesh: chosen again
+    with pytest.raises(AssertionError, match="chose again"):
+        cli.main(["train", *run, "steps=6", "metagrad.save_inner_grads=false", "--resume"])
     (tmp_path / "mode_auto.json").write_text(json.dumps(choice | {"where": choice["where"] | {"jax": "0.0.0"}}))
     with pytest.raises(AssertionError, match="chose again"):
         cli.main(["train", *run, "steps=6", "--resume"])
