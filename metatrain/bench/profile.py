@@ -50,16 +50,38 @@ def _self_times(events):
     return [(key, max(0.0, t)) for key, t in out]
 
 
+# classes of ops by their names (XLA's GPU, TPU and CPU names: `gemm_fusion_dot.4`, `cublas-gemm.3`,
+# `input_reduce_fusion.2`, `loop_transpose_fusion`, `ynn_fusion.1` (a dot on CPU), `while.5`); the first that matches
+CLASSES = (("matmul", r"gemm|cublas|(^|_)dot|matmul|convolution|ynn_fusion"),
+           ("collective", r"all-reduce|all-gather|reduce-scatter|all-to-all|collective"),
+           ("transpose or copy", r"transpose|^copy"), ("reduction", r"reduce"),
+           ("scatter or gather", r"scatter|gather"), ("dynamic slice or update", r"dynamic"),
+           ("loop or control", r"^(while|conditional|call)"),
+           ("other fusion", r"fusion"))
+
+
+def op_class(op: str) -> str:
+    """The class of an XLA op, from its name (`CLASSES`); "other" where none matches."""
+    return next((name for name, pattern in CLASSES if re.search(pattern, op)), "other")
+
+
 def top_ops(data, steps: int, n: int = 15) -> dict:
-    """The `n` ops that took longest, per step of `steps` traced ones: {"op_ms_per_step": all ops' time,
-    "top_ops": [{"module", "op", "kind", "ms_per_step", "share", "events_per_step"}]} (kind: the op's name without
-    its number, e.g. `fusion`, `custom-call`, `cublas-gemm`)."""
+    """The `n` ops that took longest, per step of `steps` traced ones, and every op's time by class:
+    {"op_ms_per_step": all ops' time, "top_ops": [{"module", "op", "kind", "ms_per_step", "share",
+    "events_per_step"}], "by_class": [{"class", "ms_per_step", "share", "ops"}]} (kind: the op's name without its
+    number, e.g. `fusion`, `custom-call`, `cublas-gemm`; class: `op_class`)."""
     times = op_times(data)
     total = sum(ns for ns, _ in times.values())
     rows = [{"module": module, "op": op, "kind": re.sub(r"[.\d]+$", "", op), "ms_per_step": ns / 1e6 / steps,
              "share": ns / total if total else 0.0, "events_per_step": count / steps}
             for (module, op), (ns, count) in sorted(times.items(), key=lambda kv: -kv[1][0])[:n]]
-    return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows}
+    classes = collections.defaultdict(lambda: [0.0, 0])
+    for (_, op), (ns, _) in times.items():
+        classes[op_class(op)][0] += ns
+        classes[op_class(op)][1] += 1
+    by_class = [{"class": name, "ms_per_step": ns / 1e6 / steps, "share": ns / total if total else 0.0, "ops": ops}
+                for name, (ns, ops) in sorted(classes.items(), key=lambda kv: -kv[1][0])]
+    return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows, "by_class": by_class}
 
 
 # an instruction of an HLO module's text: `  [ROOT ]%name = SHAPE opcode(...), ..., metadata={op_name="..." ...}`

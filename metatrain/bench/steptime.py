@@ -115,7 +115,8 @@ def table(rows: list[dict], baseline: str) -> str:
 
 
 def profile_table(rows: list[dict], n: int = 8) -> str:
-    """Each profiled variant's top `n` ops: ms per step and share of all ops' time."""
+    """Each profiled variant's top `n` ops (ms per step and share of all ops' time), then every op's time by class,
+    the variants side by side."""
     lines = ["| variant | op | kind | ms per step | share |", "|---|---|---|---|---|"]
     for r in rows:
         if "profile" in r:
@@ -123,4 +124,15 @@ def profile_table(rows: list[dict], n: int = 8) -> str:
             lines += [f"| {r['variant']} | {o['op']} | {o['kind']} | {o['ms_per_step']:.3f} | {o['share']:.1%} |"
                       for o in p["top_ops"][:n]]
             lines.append(f"| {r['variant']} | all ops | | {p['op_ms_per_step']:.3f} | 100% |")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:  # every op's time by class, the variants side by side
+        names = list(dict.fromkeys(c["class"] for r in profiled for c in r["profile"]["by_class"]))
+        lines += ["", "| class | " + " | ".join(f"{r['variant']}: ms per step (share)" for r in profiled) + " |",
+                  "|---|" + "---|" * len(profiled)]
+        for name in names:
+            cells = []
+            for r in profiled:
+                c = next((c for c in r["profile"]["by_class"] if c["class"] == name), None)
+                cells.append(f"{c['ms_per_step']:.3f} ({c['share']:.1%})" if c else "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -26,13 +26,17 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     # the steps timed, then those profiled
     assert all(r["steps_run"] == 2 + 3 + 2 and len(r["times_s"]) == 3 and min(r["times_s"]) > 0
                for r in rows.values())
-    assert "| mixflow+remat+save |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| mixflow+remat+save |" in out and "| class | autodiff+remat: ms per step (share) |" in out
     for name, r in rows.items():  # where it ran; a CPU keeps no memory statistics
         assert r["device"] == "cpu" and r["versions"]["jax"] and "process_peak_bytes" not in r
         p = r["profile"]
         assert p["steps"] == 2 and p["trace"].startswith(str(tmp_path / "prof" / name.replace("+", "_")))
         assert 0 < sum(o["share"] for o in p["top_ops"]) <= 1 + 1e-9 and p["top_ops"][0]["ms_per_step"] > 0
         assert {o["module"] for o in p["top_ops"]} == {"jit_outer_step"}
+        # every op by class: the shares add up, and the step's dots are matmuls (XLA's or YNNPACK's on a CPU)
+        assert sum(c["share"] for c in p["by_class"]) == pytest.approx(1) and "matmul" in {
+            c["class"] for c in p["by_class"]}, p["by_class"]
         # each top op found in the compiled program kept beside the trace: its shape and the JAX op it came from
         assert open(p["program"]).read().startswith("HloModule jit_outer_step")
         assert all(o["opcode"] and o["shape"] for o in p["top_ops"]), p["top_ops"]

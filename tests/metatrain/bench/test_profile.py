@@ -41,6 +41,24 @@ def test_device_ops_line_with_nested_self_times():
     assert summary["top_ops"][0]["ms_per_step"] == pytest.approx(2.5e-3) and summary["top_ops"][0]["share"] == (
         pytest.approx(5 / 14))
     assert summary["top_ops"][1]["events_per_step"] == 1
+    # every op by class (not only the top n): the loop's self time, the two fusions, the gemm
+    assert [(c["class"], c["ops"]) for c in summary["by_class"]] == [("loop or control", 1), ("other fusion", 2),
+                                                                     ("matmul", 1)]
+    assert [c["ms_per_step"] for c in summary["by_class"]] == pytest.approx([2.5e-3, 2.5e-3, 2e-3])
+    assert sum(c["share"] for c in summary["by_class"]) == pytest.approx(1)
+
+
+@pytest.mark.parametrize("op, cls", [
+    ("gemm_fusion_dot.416", "matmul"), ("cublas-gemm.3", "matmul"), ("dot.4", "matmul"), ("ynn_fusion.3", "matmul"),
+    ("convolution.2", "matmul"), ("input_reduce_fusion.27", "reduction"), ("reduce-window.1", "reduction"),
+    ("loop_transpose_fusion.3", "transpose or copy"), ("copy.4", "transpose or copy"),
+    ("all-reduce.1", "collective"), ("reduce-scatter.2", "collective"), ("input_scatter_fusion.5", "scatter or gather"),
+    ("loop_dynamic_update_slice_fusion.2", "dynamic slice or update"), ("while.508", "loop or control"),
+    ("loop_add_fusion.45", "other fusion"), ("custom-call.2", "other"),
+])
+def test_op_classes_from_xla_names(op, cls):
+    """XLA's op names on GPU (`gemm_fusion_dot`, `input_reduce_fusion`), TPU and CPU (`ynn_fusion`: a dot)."""
+    assert profile.op_class(op) == cls
 
 
 def test_host_threads_without_device_ops():
