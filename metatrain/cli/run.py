@@ -67,7 +67,10 @@ def cmd_train(args) -> int:
         from metatrain.trainer import Trainer
 
         trainer = Trainer(cfg)
-        what = f"meta-training {cfg.task} ({cfg.metagrad.mode}) for {cfg.steps} outer steps"
+        method = trainer.program.method  # under metagrad.mode=auto, the candidate chosen
+        mode = cfg.metagrad.mode if method is None or method.mode == cfg.metagrad.mode else (
+            f"{cfg.metagrad.mode}: {method.mode}")
+        what = f"meta-training {cfg.task} ({mode}) for {cfg.steps} outer steps"
         p = cfg.population
         if p.size > 1:
             what += (f", a population of {p.size} (reduce {p.reduce}"

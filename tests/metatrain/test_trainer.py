@@ -195,7 +195,8 @@ def test_a_resumed_auto_run_takes_its_first_starts_choice(tmp_path, monkeypatch,
     assert cli.main(["train", *run, "steps=2"]) == 0
     choice = json.loads((tmp_path / "mode_auto.json").read_text())
     assert len(choice["candidates"]) == 3 and choice["where"]["mesh"] == {"data": 1, "fsdp": 1}
-    assert "auto: autodiff peak" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "auto: autodiff peak" in said.err and f"meta-training maml (auto: {choice['mode']})" in said.out
     assert json.loads((tmp_path / "outer_step.json").read_text())["mode"] == choice["mode"]
 
     def refused(*args):
