@@ -30,10 +30,15 @@ from metatrain.mixflow import MODES
 SCHEDULES = ("every_step", "sqrt")
 
 
+def _candidates(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modes and the kept-states schedules the run's `auto` settings leave to choose from."""
+    g = cfg.metagrad
+    return (MODES if g.mode == AUTO else (g.mode,)), (SCHEDULES if g.kept_states == AUTO else (g.kept_states,))
+
+
 def choose(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[dict, step_lib.Program, jax.stages.Compiled]:
     """(the choice with every candidate's figures, the chosen program, its compiled outer step)."""
-    modes = MODES if cfg.metagrad.mode == AUTO else (cfg.metagrad.mode,)
-    schedules = SCHEDULES if cfg.metagrad.kept_states == AUTO else (cfg.metagrad.kept_states,)
+    modes, schedules = _candidates(cfg)
     figures, built = {}, {}
     for mode, schedule in itertools.product(modes, schedules):
         program = step_lib.meta_program(cfg, mesh, mode, schedule)
@@ -71,8 +76,7 @@ def earlier(path: str, cfg: Config, mesh: jax.sharding.Mesh) -> dict | None:
         return None
     if not isinstance(choice, dict) or choice.get("where") != where(cfg, mesh):
         return None
-    modes = MODES if cfg.metagrad.mode == AUTO else (cfg.metagrad.mode,)
-    schedules = SCHEDULES if cfg.metagrad.kept_states == AUTO else (cfg.metagrad.kept_states,)
+    modes, schedules = _candidates(cfg)
     return choice if choice.get("mode") in modes and choice.get("kept_states") in schedules else None
 
 
