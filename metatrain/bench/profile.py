@@ -77,8 +77,9 @@ def top_ops(data, steps: int, n: int = 15) -> dict:
             for (module, op), (ns, count) in sorted(times.items(), key=lambda kv: -kv[1][0])[:n]]
     classes = collections.defaultdict(lambda: [0.0, 0])
     for (_, op), (ns, _) in times.items():
-        classes[op_class(op)][0] += ns
-        classes[op_class(op)][1] += 1
+        entry = classes[op_class(op)]  # [ns, ops]
+        entry[0] += ns
+        entry[1] += 1
     by_class = [{"class": name, "ms_per_step": ns / 1e6 / steps, "share": ns / total if total else 0.0, "ops": ops}
                 for name, (ns, ops) in sorted(classes.items(), key=lambda kv: -kv[1][0])]
     return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows, "by_class": by_class}

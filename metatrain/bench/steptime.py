@@ -129,10 +129,8 @@ def profile_table(rows: list[dict], n: int = 8) -> str:
         names = list(dict.fromkeys(c["class"] for r in profiled for c in r["profile"]["by_class"]))
         lines += ["", "| class | " + " | ".join(f"{r['variant']}: ms per step (share)" for r in profiled) + " |",
                   "|---|" + "---|" * len(profiled)]
+        by_class = [{c["class"]: c for c in r["profile"]["by_class"]} for r in profiled]
         for name in names:
-            cells = []
-            for r in profiled:
-                c = next((c for c in r["profile"]["by_class"] if c["class"] == name), None)
-                cells.append(f"{c['ms_per_step']:.3f} ({c['share']:.1%})" if c else "-")
+            cells = [f"{c[name]['ms_per_step']:.3f} ({c[name]['share']:.1%})" if name in c else "-" for c in by_class]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
