@@ -235,7 +235,7 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
         raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
                           f"use --format orbax")
     if fmt == "hf" and adapters:  # PEFT puts them on a transformers model of the base's architecture
-        hf.config_to_hf(ModelConfig(**info["base_model"]))  # refuses one transformers has no class for
+        hf.config_to_hf(exported.run.model)  # refuses one transformers has no class for (adapters: a run's only)
     with paths.filled_dir(out):  # an error or a signal while writing takes out what was written (a full disk)
         if fmt == "hf" and adapters:  # the PEFT format, for the base model the run started from
             lora, base = info["lora"], info["base"]
