@@ -38,6 +38,17 @@ positive_int = number(int, 1, math.inf, ">= 1")
 nonnegative_int = number(int, 0, math.inf, ">= 0")
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: a comma list of whole numbers >= 1, e.g. "2,8"."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of whole numbers, e.g. 2,8; got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1, got {text}")
+    return values
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0 (a tolerance, a step)."""
     try:

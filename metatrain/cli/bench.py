@@ -9,6 +9,7 @@ from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
 
 LADDER_DEFAULT = "44m,140m,489m,1b"
+TASKS_DEFAULT = "maml,learned_lr,loss_weighting"
 TPU_MESH = ["mesh.fsdp=-1", "mesh.data=-1"]  # FSDP over all the topology's chips (or GPUs)
 
 
@@ -33,6 +34,10 @@ def cmd_bench_memory(args) -> int:
         want = topology_backend(topology)
         raise ConfigError(f"--topology {topology} is for --backend {want} ({want.upper()} ahead of time); drop it or "
                           f"add --backend {want}")
+    for flag, grid in (("models", "ladder"), ("tasks", "tasks"), ("layers", "layers")):
+        if getattr(args, flag) is not None and args.grid != grid:  # else it would be left out without a word
+            raise ConfigError(f"--{flag} is for --grid {grid}; add --grid {grid} (this run's grid is {args.grid}) or "
+                              f"drop --{flag}")
     mesh = TPU_MESH if topology else []
     tasks, names = [args.task], {}
     default_variants = "autodiff+remat,mixflow+remat+save"
@@ -40,14 +45,14 @@ def cmd_bench_memory(args) -> int:
         model_list = [common.model(args)]
         default_variants = ",".join(v.name for v in variants(("autodiff", "mixflow"), "every_step"))
     elif args.grid == "layers":
-        model_list = [common.model(args, n_layers=n) for n in args.layers]
+        model_list = [common.model(args, n_layers=n) for n in args.layers or [2, 4, 8, 16]]
     elif args.grid == "ladder":
         ladder = [m.strip() for m in (args.models or LADDER_DEFAULT).split(",")]
         model_list = [models.preset(m, **common.model_options(args)) for m in ladder]
         names = {models.param_count(m): name for name, m in zip(ladder, model_list)}
     else:  # tasks
         model_list = [common.model(args)]
-        tasks = [t.strip() for t in args.tasks.split(",")]
+        tasks = [t.strip() for t in (args.tasks or TASKS_DEFAULT).split(",")]
     configs = [run_config(t, m, args.seq_len, args.batch, args.inner_steps, [*mesh, *args.overrides])
                for t in tasks for m in model_list]
     chosen = common.variants(args, args.variants or default_variants, args.baseline)
@@ -201,7 +206,7 @@ def register(sub) -> None:
     p.add_argument("--grid", default="ablation", choices=["ablation", "layers", "ladder", "tasks"],
                    help="ablation: mode x remat x save; layers: --layers; ladder: --models; tasks: --tasks")
     p.add_argument("--models", default=None, help=f"ladder presets (default {LADDER_DEFAULT})")
-    p.add_argument("--tasks", default="maml,learned_lr,loss_weighting", help="tasks grid: comma list")
+    p.add_argument("--tasks", default=None, help=f"tasks grid: comma list (default {TASKS_DEFAULT})")
     p.add_argument("--topology", default=None, help="TPU topology for --backend tpu (default v5p:1x1x1), GPUs for "
                                                     "--backend gpu (h100 or h200, NAME:COUNT for several; default "
                                                     "h100)")
@@ -212,8 +217,8 @@ def register(sub) -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also say what is live at each program's peak (from the compiler's buffer assignment): "
                         "arguments, parameter-sized buffers (in units of θ), the rest")
-    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16],
-                   help="n_layers values for --grid layers, e.g. 2,8")
+    p.add_argument("--layers", type=common.positive_ints, default=None,
+                   help="n_layers values for --grid layers, e.g. 2,8 (default 2,4,8,16)")
     p.add_argument("--variants", default=None, help="comma list, e.g. autodiff+remat,mixflow+remat+save")
     p.add_argument("--baseline", default="autodiff+remat")
     p.add_argument("--backend", default="cpu", choices=["cpu", "tpu", "gpu"],

@@ -9,7 +9,7 @@ import sys
 
 from tqdm import tqdm
 
-from metatrain.argtypes import fraction, nonnegative_int, positive_float, positive_int  # noqa: F401 (the commands' types)
+from metatrain.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_ints  # noqa: F401 (the commands' types)
 from metatrain.models import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS
 from metatrain.tasks import BUILTIN
 from metatrain.unroll import KEPT_STATES

@@ -163,6 +163,26 @@ def test_cli_bad_variant(capsys):
     assert "unknown option(s) ['fast']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--grid", "layers", "--layers", "abc"], "argument --layers: must be a comma list of whole numbers, e.g. 2,8; "
+                                              "got 'abc'"),
+    (["--grid", "layers", "--layers", "0,2"], "argument --layers: must be whole numbers >= 1, got 0,2"),
+    # a grid's list given for another grid was left out without a word (the ablation grid ran instead)
+    (["--layers", "2,4"], "--layers is for --grid layers; add --grid layers (this run's grid is ablation)"),
+    (["--models", "tiny"], "--models is for --grid ladder; add --grid ladder (this run's grid is ablation)"),
+    (["--grid", "ladder", "--tasks", "maml"], "--tasks is for --grid tasks; add --grid tasks (this run's grid is "
+                                              "ladder)"),
+])
+def test_a_grid_flag_that_is_malformed_or_for_another_grid_is_one_line(flags, says, capsys):
+    try:
+        code = cli.main(["bench", "memory", "--model", "tiny", *flags])
+    except SystemExit as e:  # argparse's errors exit, the command's return
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "compiling" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("command", [["bench", "memory"], ["compile"]])
 def test_model_overrides_that_flags_would_shadow_are_refused(command, capsys):
     """`model.d_model=16` after the flags would be replaced by the --model preset's model: an error, not a silent
