@@ -30,7 +30,7 @@ def cmd_check_grads(args) -> int:
     results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
                                      modes=tuple(args.modes.split(",")), kept_states=args.kept_states,
-                                     only=common.variants(args, args.variants) if args.variants else None,
+                                     only=common.variants(args, args.variants) if args.variants is not None else None,
                                      progress=common.progress, lora=lora, meta_model=meta_model_config(cfg),
                                      members=members, tol_members=args.tol_members)
     width = max(22, *(len(r.variant) for r in results))
