@@ -6,9 +6,10 @@ joins them), stream their logs, and when the slice is preempted recreate it and 
         --workdir gs://BUCKET/runs/mt -- train task=mytasks:MyTask steps=2000
 
 What is shipped is the working tree of the metatrain checkout (committed or not, without what git
-ignores), plus your own task module: a `task=module:Class` whose module is a file or package in the
-current directory is found and shipped, and `--include PATH` adds more. Both go on the workers'
-PYTHONPATH, and the launcher prints what it ships. `--queued` creates the slice through
+ignores; the checkout this launcher is in, or `--code`: an installed package is refused, since each worker
+installs what it gets from its pyproject.toml), plus your own task module: a `task=module:Class` whose
+module is a file or package in the current directory is found and shipped, and `--include PATH` adds more.
+Both go on the workers' PYTHONPATH, and the launcher prints what it ships. `--queued` creates the slice through
 `gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits
 until it is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path
 (or an absolute path on a file system every worker mounts; a relative one is refused), and data.data_dir may be
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -111,8 +113,6 @@ def shipment(args) -> tuple[list[tuple[Path, str]], list[str]]:
     items = [(args.code / f, f"code/{f}") for f in files]
     extras = [Path(p).resolve() for p in args.include] + task_module_paths(args.command, Path.cwd())
     for extra in dict.fromkeys(extras):
-        if not extra.exists():
-            raise SystemExit(f"launch.tpu: --include {extra}: no such file or folder")
         paths = [extra] if extra.is_file() else sorted(p for p in extra.rglob("*") if p.is_file()
                                                       and not SKIP & set(p.relative_to(extra.parent).parts))
         items += [(p, f"user/{p.relative_to(extra.parent)}") for p in paths]
@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     spot = p.add_mutually_exclusive_group()
     spot.add_argument("--spot", action="store_true", help="a Spot VM (cheaper, preemptible)")
     spot.add_argument("--preemptible", action="store_true", help="a preemptible VM (not with --queued: use --spot)")
-    p.add_argument("--code", type=Path, default=REPO, help="the metatrain checkout whose working tree is shipped")
+    p.add_argument("--code", type=Path, default=REPO,
+                   help="the metatrain checkout whose working tree is shipped (default: the one this launcher is in)")
     p.add_argument("--include", action="append", default=[], metavar="PATH",
                    help="a file or folder to ship onto the workers' PYTHONPATH (repeatable), e.g. your task module")
     p.add_argument("--remote-dir", default="~/metatrain")
@@ -263,6 +264,17 @@ def main(argv=None) -> int:
         parser.error("give the metatrain command after --: train ... or pretrain ...")
     if args.queued and args.preemptible:
         parser.error("--queued takes --spot, not --preemptible")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", args.name):  # Cloud TPU's rule for a VM's name
+        parser.error(f"--name {args.name!r}: a TPU VM's name is a lowercase letter, then up to 62 lowercase letters, "
+                     f"digits or hyphens, not ending with a hyphen")
+    args.code = args.code.resolve()
+    if not (args.code / "pyproject.toml").is_file():
+        parser.error(f"--code {args.code}: not a metatrain checkout (no pyproject.toml), and each worker installs "
+                     f"what is shipped from its pyproject.toml; clone the repository and give --code CHECKOUT, or "
+                     f"run the launcher from a checkout's environment")
+    for extra in args.include:
+        if not Path(extra).exists():
+            parser.error(f"--include {extra}: no such file or folder")
     if "://" not in args.workdir:
         if not os.path.isabs(args.workdir):
             parser.error(f"--workdir {args.workdir}: a relative path is inside {args.remote_dir}/code on each worker, "
@@ -270,7 +282,6 @@ def main(argv=None) -> int:
                          f"gs://BUCKET/runs/NAME, or an absolute path on a file system every worker mounts")
         print(f"launch.tpu: --workdir {args.workdir} is not a gs:// path: every worker must see the same folder (a "
               f"file system they all mount) and it must outlive a preempted VM for --resume", file=sys.stderr)
-    args.code = args.code.resolve()
     return launch(args)
 
 

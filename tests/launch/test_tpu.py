@@ -208,3 +208,24 @@ def test_describing_a_topology_leaves_no_tpu_host_in_the_environment(monkeypatch
     child = subprocess.run([sys.executable, "-c", "from metatrain import distributed; print(distributed._detected())"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.strip() == "None", child.stdout  # a metatrain run started now joins no cluster
+
+
+@pytest.mark.parametrize("flags, says", [
+    # an installed package (not a checkout) was shipped, and every worker's `pip install -e .` failed on it
+    (["--code", "{pkg}"], "--code {pkg}: not a metatrain checkout (no pyproject.toml)"),
+    (["--name", ""], "--name '': a TPU VM's name is a lowercase letter"),
+    (["--name", "My VM"], "--name 'My VM': a TPU VM's name is a lowercase letter"),
+    (["--name", "mt-"], "--name 'mt-': a TPU VM's name"),
+    (["--include", "nope.py"], "--include nope.py: no such file or folder"),  # was exit 1 and no usage prefix
+])
+def test_what_gcloud_or_the_workers_would_refuse_is_one_line_before_anything_runs(flags, says, checkout, tmp_path,
+                                                                                  capsys):
+    pkg = tmp_path / "site-packages" / "metatrain"
+    (pkg / "launch").mkdir(parents=True)
+    (pkg / "launch" / "tpu.py").write_text("")
+    flags = [f.format(pkg=pkg) for f in flags]
+    with pytest.raises(SystemExit) as e:
+        tpu.main([*BASE, "--code", str(checkout), *flags, "--", "train"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.splitlines()[-1].startswith(
+        f"python -m metatrain.launch.tpu: error: {says.format(pkg=pkg)}"), err
