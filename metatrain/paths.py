@@ -48,6 +48,17 @@ def _nearest_existing(folder: str) -> str:
     return folder
 
 
+def unwritable_folder(folder: str) -> str | None:
+    """Why `folder` (there or to be made) cannot be written, or None: the nearest path of it or above it that exists
+    is a file, or a folder this process cannot write in."""
+    above = _nearest_existing(os.path.abspath(folder))
+    if above and not os.path.isdir(above):
+        return f"{above} is a file"
+    if above and not os.access(above, os.W_OK | os.X_OK):
+        return f"{above} is not writable"
+    return None
+
+
 def output_file(path: str, flag: str) -> str:
     """A file a command will write, checked before any work: absolute, not a directory, in a folder that can be
     made and written; its folder is made."""
@@ -56,11 +67,9 @@ def output_file(path: str, flag: str) -> str:
     path = local(path)
     if os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a directory; give the path of a file to write")
-    above = _nearest_existing(os.path.dirname(path))
-    if above and not os.path.isdir(above):
-        raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be written; give another path")
-    if above and not os.access(above, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag}: {above} is not writable, so {path} cannot be written; give another path")
+    blocked = unwritable_folder(os.path.dirname(path))
+    if blocked:
+        raise ConfigError(f"{flag}: {blocked}, so {path} cannot be written; give another path")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
 

@@ -74,7 +74,11 @@ class Lock:
 
     def acquire(self) -> Lock:
         self._made = not os.path.isdir(os.path.dirname(self.path))  # a run that fails before writing removes it
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except OSError as e:  # a folder the OS refuses (a read-only or special file system)
+            raise TrainingError(f"workdir: {self.workdir} cannot be made ({e.strerror}: {e.filename}); give a folder "
+                                f"you can write") from None
         f = open(self.path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

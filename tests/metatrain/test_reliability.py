@@ -441,6 +441,23 @@ def test_a_workdir_that_is_a_file(tmp_path, capsys):
     one_line_error(err, f"workdir: '{tmp_path / 'afile'}' is a file")
 
 
+def test_a_workdir_below_a_file_or_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch):
+    """Both ended in a traceback (NotADirectoryError, FileNotFoundError) from making the folder."""
+    (tmp_path / "afile").write_text("x")
+    code, _, err = _train([f"workdir={tmp_path / 'afile' / 'run'}"], capsys)
+    assert code == 2
+    one_line_error(err, f"workdir: '{tmp_path / 'afile' / 'run'}' cannot be made or written: {tmp_path / 'afile'} "
+                        f"is a file; give another path")
+
+    def refused(path, exist_ok=False):  # a file system that refuses the folder (read-only, /proc, ...)
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(os, "makedirs", refused)
+    code, _, err = _train([f"workdir={tmp_path / 'run'}"], capsys)
+    assert code == 2
+    one_line_error(err, f"workdir: {tmp_path / 'run'} cannot be made (No such file or directory: ")
+
+
 @pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_run_resumes(shared_run, tmp_path):
     """A full disk while a checkpoint was written gave about a thousand lines of Orbax, asyncio and TensorStore
