@@ -429,9 +429,10 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
                 if why.startswith("Incompatible value 'None'"):  # `steps:` with nothing after it: YAML's null
                     why = f"no value; write one after the colon (`{key.split('.')[-1]}: ...`)"
                 raise ConfigError(f"{key} in {preset}: {why}") from None
-        bad = [o for o in overrides if "=" not in o]
+        bad = [o for o in overrides if "=" not in o or o.startswith("=")]
         if bad:
-            raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100")
+            hint = " (a preset goes first, before the overrides)" if "=" not in bad[0] else ""
+            raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100{hint}")
         _refuse_renamed([override_key(o) for o in overrides])
         _refuse_groups([override_key(o) for o in overrides])
         merged = OmegaConf.merge(merged, _dotlist(overrides))

@@ -158,6 +158,11 @@ def test_a_bad_preset_file_is_a_one_line_error_naming_it(tmp_path, capsys, monke
     ("inner.lora=4", "inner.lora: a group of settings, not a value; set its keys, e.g. inner.lora.rank=..."),
     ("workdir=", "workdir: no value after '='; give one, e.g. workdir=..."),
     ("steps=", "steps: no value after '='; give one, e.g. steps=..."),
+    # OmegaConf's "config: Key '' not in 'Config'" before
+    ("=5", "override '=5': write overrides as key=value, e.g. steps=100"),
+    # a preset after an override: `metatrain train inner_lr=1e-3 maml`
+    ("maml", "override 'maml': write overrides as key=value, e.g. steps=100 (a preset goes first, before the "
+             "overrides)"),
 ])
 def test_a_value_for_a_whole_group_names_its_keys(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
