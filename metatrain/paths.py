@@ -74,6 +74,24 @@ def output_file(path: str, flag: str) -> str:
     return path
 
 
+def image_file(path: str, flag: str) -> str:
+    """A figure a command will write (`output_file`), in a format matplotlib writes (from its extension; none: PNG,
+    and ".png" is added, as matplotlib does), checked before any work."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from metatrain.errors import ConfigError
+
+    path = local(path)
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if not ext:
+        path, ext = path + ".png", "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise ConfigError(f"{flag}: {path} ends in .{ext}, which matplotlib does not write; give a .png path (or "
+                          f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+    return output_file(path, flag)
+
+
 def _same(a: str, b: str) -> bool:
     a, b = os.path.realpath(a), os.path.realpath(b)
     if a == b:

@@ -80,7 +80,7 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
     (default: the first work dir). Returns the file written."""
     workdirs = [paths.local(w) for w in workdirs]
     out = paths.local(out or workdirs[0])
-    out = paths.output_file(os.path.join(out, "curves.png") if os.path.isdir(out) else out, "plot --out")
+    out = paths.image_file(os.path.join(out, "curves.png") if os.path.isdir(out) else out, "plot --out")
     runs = {os.path.basename(os.path.normpath(w)) or w: _read(w) for w in workdirs}
     several = len(runs) > 1
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))

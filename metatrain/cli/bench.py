@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from metatrain import paths
 from metatrain.cli import common
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
@@ -38,6 +39,8 @@ def cmd_bench_memory(args) -> int:
         if getattr(args, flag) is not None and args.grid != grid:  # else it would be left out without a word
             raise ConfigError(f"--{flag} is for --grid {grid}; add --grid {grid} (this run's grid is {args.grid}) or "
                               f"drop --{flag}")
+    args.plot = args.plot and paths.image_file(args.plot, "--plot")  # before any compile, as --json
+    args.timeline = args.timeline and paths.image_file(args.timeline, "--timeline")
     mesh = TPU_MESH if topology else []
     tasks, names = [args.task], {}
     default_variants = "autodiff+remat,mixflow+remat+save"

@@ -18,6 +18,19 @@ def test_two_workdirs_overlay(shared_run, tmp_path, capsys):
     assert _png(tmp_path / "both.png") and "both.png" in capsys.readouterr().out
 
 
+def test_an_out_matplotlib_cannot_write_is_one_line_and_one_without_extension_is_named_as_written(shared_run, tmp_path,
+                                                                                                 capsys):
+    """`--out report.txt` ended in matplotlib's ValueError traceback; `--out report` printed "wrote report" where
+    matplotlib wrote report.png."""
+    run = str(shared_run["workdir"])
+    assert cli.main(["plot", run, "--out", str(tmp_path / "report.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"metatrain plot: error: plot --out: {tmp_path / 'report.txt'} ends in .txt, which "
+                          f"matplotlib does not write; give a .png path (or ") and "\n" not in err, err
+    assert cli.main(["plot", run, "--out", str(tmp_path / "report")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'report.png'}\n" and _png(tmp_path / "report.png")
+
+
 def test_runs_without_flags_or_baseline_still_plot(shared_run, tmp_path):
     """Strip what a run without corruption flags and without a baseline lacks: the panels that apply remain."""
     run = tmp_path / "plain"

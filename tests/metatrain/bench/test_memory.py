@@ -172,6 +172,9 @@ def test_cli_bad_variant(capsys):
     (["--models", "tiny"], "--models is for --grid ladder; add --grid ladder (this run's grid is ablation)"),
     (["--grid", "ladder", "--tasks", "maml"], "--tasks is for --grid tasks; add --grid tasks (this run's grid is "
                                               "ladder)"),
+    # a figure matplotlib cannot write failed after every compile (the rows lost without --json)
+    (["--plot", "grid.doc"], "grid.doc ends in .doc, which matplotlib does not write"),
+    (["--timeline", "t.txt"], "t.txt ends in .txt, which matplotlib does not write"),
 ])
 def test_a_grid_flag_that_is_malformed_or_for_another_grid_is_one_line(flags, says, capsys):
     try:
