@@ -202,9 +202,6 @@ def validate(cfg: Config) -> Config:
     _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
     _check(bool(cfg.workdir.strip()), "workdir", "must not be empty")
     _check(not os.path.isfile(cfg.workdir), "workdir", f"{cfg.workdir!r} is a file; give a directory (new or a run's)")
-    if not paths.is_remote(cfg.workdir):
-        blocked = paths.unwritable_folder(cfg.workdir)
-        _check(blocked is None, "workdir", f"{cfg.workdir!r} cannot be made or written: {blocked}; give another path")
     init_from = cfg.inner.init_from.removeprefix(HF_PREFIX)
     _check(not init_from or os.path.isdir(init_from), "inner.init_from",
            f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir, a `metatrain export` or "
