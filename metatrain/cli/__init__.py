@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)
+    for name, command in sub.choices.items():  # `bench memory`, `data stats`, ...: named in full, as argparse does
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for leaf, leaf_parser in action.choices.items():
+                    leaf_parser.set_defaults(command_name=f"{name} {leaf}")
     return parser
 
 
@@ -137,6 +142,7 @@ def _out_of_room(error: BaseException, command: str = "") -> str | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    name = getattr(args, "command_name", args.command)  # `bench memory`, as argparse's own errors name it
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if handled:
@@ -169,9 +175,9 @@ def main(argv=None) -> int:
         return args.fn(args)
     except MetatrainError as e:
         said = " ".join(str(e).split())
-        if said.startswith(f"{args.command}: "):  # the library's own prefix (for Python callers), said once here
-            said = said[len(args.command) + 2:]
-        print(f"metatrain {args.command}: error: {said}", file=sys.stderr)
+        for prefix in (f"{name}: ", f"{args.command}: "):  # the library's own prefix (for Python callers), said once
+            said = said.removeprefix(prefix)
+        print(f"metatrain {name}: error: {said}", file=sys.stderr)
         return 2
     except Exception as e:
         stop = _stop_behind(e)
@@ -179,11 +185,11 @@ def main(argv=None) -> int:
             said = _out_of_room(e, args.command if getattr(args, "resume", None) is not None else "")
             if said is None:
                 raise
-            print(f"metatrain {args.command}: error: {said}", file=sys.stderr)
+            print(f"metatrain {name}: error: {said}", file=sys.stderr)
             return 2
-        return _stopped(args.command, stop)
+        return _stopped(name, stop)
     except KeyboardInterrupt as e:
-        return _stopped(args.command, e)
+        return _stopped(name, e)
     finally:
         if handled:
             _stopping.clear()

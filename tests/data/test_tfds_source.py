@@ -172,6 +172,6 @@ def test_a_build_the_disk_refuses_is_one_line_naming_the_dataset_and_leaves_noth
     build = ["data", "build", str(src), "--name", "big_docs", "--data-dir", str(data_dir)]
     res = metatrain(*build, file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
-    one_line_error(res.stderr.replace("\r", "\n"), f"metatrain data: error: writing {data_dir}/big_docs failed (File "
-                                                   f"too large); make room there and run again")
+    one_line_error(res.stderr.replace("\r", "\n"), f"metatrain data build: error: writing {data_dir}/big_docs failed "
+                                                   f"(File too large); make room there and run again")
     assert not (data_dir / "big_docs").exists()

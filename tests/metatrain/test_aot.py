@@ -21,7 +21,8 @@ def test_a_bad_gpu_topology_is_a_one_line_error(capsys, topology, says):
     for argv in (["compile", "--model", "tiny"], ["bench", "memory", "--backend", "gpu"], ["bench", "fit"]):
         assert cli.main([*argv, "--topology", topology]) == 2
         out, err = capsys.readouterr()
-        assert not out and err.startswith(f"metatrain {argv[0]}: error: --topology") and says in err, (out, err)
+        name = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+        assert not out and err.startswith(f"metatrain {name}: error: --topology") and says in err, (out, err)
         assert "\n" not in err.strip()
 
 
@@ -50,7 +51,8 @@ def test_without_the_compiler_its_extra_is_named_before_the_first_line(capsys, m
     out, err = capsys.readouterr()
     assert not out, out
     err = err.strip()
-    assert err.startswith(f"metatrain {argv[0]}: error: ") and f"compiling for a {backend.upper()} needs" in err
+    name = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    assert err.startswith(f"metatrain {name}: error: ") and f"compiling for a {backend.upper()} needs" in err
     assert f"pip install 'metatrain[{extra}]'" in err and "\n" not in err
 
 

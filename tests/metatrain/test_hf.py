@@ -183,7 +183,7 @@ def test_an_import_the_disk_refuses_is_one_line_and_leaves_nothing(checkpoints, 
     out = tmp_path / "sub" / "imported"
     res = metatrain("import", "hf", directory, "--out", out, file_limit_kib=4)
     assert res.returncode == 2, res.stderr[-3000:]
-    one_line_error(res.stderr, f"metatrain import: error: writing {out}/params.orbax-checkpoint-tmp/",
+    one_line_error(res.stderr, f"metatrain import hf: error: writing {out}/params.orbax-checkpoint-tmp/",
                    "failed (File too large); make room there and run again")
     assert not (tmp_path / "sub").exists()
 

@@ -138,7 +138,7 @@ def test_a_stop_says_which_rows_are_kept_and_how_to_measure_the_rest(tmp_path, c
             "--baseline", "mixflow+remat"]
     assert cli.main(argv) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"metatrain bench: stopped by SIGTERM; 1 row in {out}; the same command with --resume measures the rest")
+        f"metatrain bench memory: stopped by SIGTERM; 1 row in {out}; the same command with --resume measures the rest")
     assert [r["variant"] for r in json.loads(out.read_text())] == ["mixflow+remat"]
     monkeypatch.setattr(common, "write_json", write)
     assert cli.main([*argv, "--resume"]) == 0
@@ -184,6 +184,8 @@ def test_a_grid_flag_that_is_malformed_or_for_another_grid_is_one_line(flags, sa
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "compiling" not in err and "Traceback" not in err, err
+    # named as argparse names the command ("metatrain bench: error:" before, for the command's own errors)
+    assert err.splitlines()[-1].startswith("metatrain bench memory: error: "), err
 
 
 @pytest.mark.parametrize("command", [["bench", "memory"], ["compile"]])
