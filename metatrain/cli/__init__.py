@@ -40,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     for group in GROUPS:
         group.register(sub)
     for name, command in sub.choices.items():  # `bench memory`, `data stats`, ...: named in full, as argparse does
+        command.set_defaults(command_parser=command)
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for leaf, leaf_parser in action.choices.items():
-                    leaf_parser.set_defaults(command_name=f"{name} {leaf}")
+                    leaf_parser.set_defaults(command_name=f"{name} {leaf}", command_parser=leaf_parser)
     return parser
 
 
@@ -141,7 +142,10 @@ def _out_of_room(error: BaseException, command: str = "") -> str | None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (the top-level one said "metatrain: error:")
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     name = getattr(args, "command_name", args.command)  # `bench memory`, as argparse's own errors name it
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

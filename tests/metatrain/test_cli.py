@@ -119,3 +119,16 @@ def test_an_error_names_its_command_once(monkeypatch, capsys):
     assert capsys.readouterr().err == "metatrain scores: error: data.jsonl holds no documents\n"
     assert cli.main(["generate"]) == 2
     assert capsys.readouterr().err == "metatrain generate: error: generate --what inner: run is a pretrain run\n"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["data", "make-noisy", "--out", "n", "--fraction", "2"],
+     "metatrain data make-noisy: error: unrecognized arguments: --fraction 2"),
+    (["eval", "run", "--batches", "0"], "metatrain eval: error: unrecognized arguments: --batches 0"),
+])
+def test_an_unknown_flag_is_named_by_its_commands_parser(argv, says, capsys):
+    """argparse's top-level parser said "metatrain: error: unrecognized arguments", with the top-level usage."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == says and err[0].startswith(f"usage: metatrain {argv[0]}"), err

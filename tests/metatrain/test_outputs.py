@@ -199,9 +199,10 @@ def test_sigterm_stops_a_command_like_ctrl_c():
         raise AssertionError("SIGTERM did not stop the command")
 
     parser = build_parser()
-    real = parser.parse_args
+    real = parser.parse_known_args
     try:
-        cli.build_parser = lambda: type("P", (), {"parse_args": lambda self, argv: _with_fn(real(argv), fake)})()
+        cli.build_parser = lambda: type("P", (), {"parse_known_args": lambda self, argv: (
+            _with_fn(real(argv)[0], fake), [])})()
         assert cli.main(["data", "make-noisy", "--out", "x"]) == 143
     finally:
         cli.build_parser = build_parser
