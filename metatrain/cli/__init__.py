@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import threading
+from importlib.metadata import PackageNotFoundError, version
 
 from metatrain import collector, platforms
 from metatrain.errors import MetatrainError
@@ -33,16 +34,26 @@ def freeze_imported() -> None:
     collector.freeze()
 
 
+def _version() -> str:
+    try:
+        return version("metatrain")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metatrain", description=__doc__.split("\n\n")[0],
                                      epilog="`metatrain COMMAND --help` for each command's flags; see README.md")
+    parser.add_argument("--version", action="version", version=f"metatrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command is named by its choices, not "command"
     for name, command in sub.choices.items():  # `bench memory`, `data stats`, ...: named in full, as argparse does
         command.set_defaults(command_parser=command)
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
+                action.metavar = "{" + ",".join(action.choices) + "}"
                 for leaf, leaf_parser in action.choices.items():
                     leaf_parser.set_defaults(command_name=f"{name} {leaf}", command_parser=leaf_parser)
     return parser

@@ -132,3 +132,29 @@ def test_an_unknown_flag_is_named_by_its_commands_parser(argv, says, capsys):
         cli.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1] == says and err[0].startswith(f"usage: metatrain {argv[0]}"), err
+
+
+def test_version_and_a_missing_command_named_by_its_choices(capsys, monkeypatch):
+    """There was no --version; a missing command was "the following arguments are required: command" ("bench" for
+    `metatrain bench`)."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"metatrain {version('metatrain')}\n"
+    # a source tree on PYTHONPATH, never installed: every command still runs
+    from importlib.metadata import PackageNotFoundError
+
+    def missing(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(cli, "version", missing)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert capsys.readouterr().out == "metatrain (not installed: run from a source tree)\n"
+    for argv, choices in (([], "{train,pretrain,"), (["bench"], "{memory,time,generate,fit}")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"metatrain{' ' * bool(argv)}{' '.join(argv)}: error: the following arguments are "
+                               f"required: {choices}"), last
