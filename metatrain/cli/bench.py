@@ -50,12 +50,14 @@ def cmd_bench_memory(args) -> int:
     elif args.grid == "layers":
         model_list = [common.model(args, n_layers=n) for n in args.layers or [2, 4, 8, 16]]
     elif args.grid == "ladder":
-        ladder = [m.strip() for m in (args.models or LADDER_DEFAULT).split(",")]
+        ladder = [m.strip() for m in (LADDER_DEFAULT if args.models is None else args.models).split(",")]
         model_list = [models.preset(m, **common.model_options(args)) for m in ladder]
         names = {models.param_count(m): name for name, m in zip(ladder, model_list)}
     else:  # tasks
         model_list = [common.model(args)]
-        tasks = [t.strip() for t in (args.tasks or TASKS_DEFAULT).split(",")]
+        tasks = [t.strip() for t in (TASKS_DEFAULT if args.tasks is None else args.tasks).split(",")]
+        if not all(tasks):
+            raise ConfigError(f"--tasks {args.tasks!r}: a comma list of task names, e.g. maml,learned_lr")
     configs = [run_config(t, m, args.seq_len, args.batch, args.inner_steps, [*mesh, *args.overrides])
                for t in tasks for m in model_list]
     chosen = common.variants(args, args.variants or default_variants, args.baseline)
@@ -123,7 +125,7 @@ def cmd_bench_fit(args) -> int:
     from metatrain.models import ModelConfig
 
     cfg = _config(args, ModelConfig(), [*TPU_MESH, *args.overrides])
-    ladder = [m.strip() for m in args.models.split(",")] if args.models else None
+    ladder = [m.strip() for m in args.models.split(",")] if args.models is not None else None
     chosen = common.variants(args, args.variants)
     print(f"bench fit on {args.topology}: task={cfg.task} B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}, variants {', '.join(v.name for v in chosen)}: binary search over the size "

@@ -172,6 +172,9 @@ def test_cli_bad_variant(capsys):
     (["--models", "tiny"], "--models is for --grid ladder; add --grid ladder (this run's grid is ablation)"),
     (["--grid", "ladder", "--tasks", "maml"], "--tasks is for --grid tasks; add --grid tasks (this run's grid is "
                                               "ladder)"),
+    # an empty list ran the default one
+    (["--grid", "tasks", "--tasks", ""], "--tasks '': a comma list of task names, e.g. maml,learned_lr"),
+    (["--grid", "ladder", "--models", ""], "unknown model preset ''"),
     # a figure matplotlib cannot write failed after every compile (the rows lost without --json)
     (["--plot", "grid.doc"], "grid.doc ends in .doc, which matplotlib does not write"),
     (["--timeline", "t.txt"], "t.txt ends in .txt, which matplotlib does not write"),
