@@ -6,6 +6,7 @@ import argparse
 import time
 
 from metatrain.cli import common
+from metatrain.errors import ConfigError
 
 
 def _data_config(args, **overrides):
@@ -23,7 +24,11 @@ def cmd_data_build(args) -> int:
     from metatrain import paths
     from metatrain.data.tfds_source import build_text_dataset
 
-    path, stats = build_text_dataset(args.input, args.name, paths.local(args.data_dir), overwrite=args.overwrite)
+    data_dir = paths.local(args.data_dir)
+    blocked = data_dir and not paths.is_remote(data_dir) and paths.unwritable_folder(data_dir)
+    if blocked:  # else a NotADirectoryError from deep inside the build
+        raise ConfigError(f"--data-dir {data_dir}: {blocked}; give a folder to build the dataset in")
+    path, stats = build_text_dataset(args.input, args.name, data_dir, overwrite=args.overwrite)
     print(f"built {args.name!r} from {stats.files} file(s) at {path} "
           f"({stats.replaced_chars} undecodable byte(s) replaced); use it with data.source=tfds:{args.name}")
     return 0

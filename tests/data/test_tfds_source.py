@@ -111,6 +111,12 @@ def test_empty_corpus_and_unprepared_names(tmp_path, capsys):
     assert "'lm1b'" in err and "tfds build lm1b" in err
     assert cli.main(["data", "build", str(tmp_path / "nope"), "--name", "x"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+    # a --data-dir that is (or is below) a file: a NotADirectoryError traceback from making the dataset's folder
+    (tmp_path / "afile").write_text("x")
+    for data_dir in (tmp_path / "afile", tmp_path / "afile" / "tfds"):
+        assert cli.main(["data", "build", str(tmp_path / "empty"), "--name", "x", "--data-dir", str(data_dir)]) == 2
+        assert capsys.readouterr().err == (f"metatrain data build: error: --data-dir {data_dir}: {tmp_path / 'afile'} "
+                                           f"is a file; give a folder to build the dataset in\n")
 
 
 def test_building_an_existing_name_is_refused_unless_overwritten(tmp_path, capsys):
