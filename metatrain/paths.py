@@ -238,6 +238,9 @@ def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: t
         raise ConfigError(f"{flag}: {path} is {source[1]} itself; give a new directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a file; give a new directory")
+    blocked = unwritable_folder(path)
+    if blocked:  # a file above it, or a folder we cannot write in
+        raise ConfigError(f"{flag}: {blocked}, so {path} cannot be made; give another path")
     held = sorted(os.listdir(path)) if os.path.isdir(path) else []
     if {"config.yaml", "checkpoints"} & set(held):
         raise ConfigError(f"{flag}: {path} is a run's work dir; give a new directory (e.g. {path}/export)")

@@ -31,6 +31,12 @@ def test_export_never_replaces_a_users_files(shared_run, tmp_path, capsys):
         code, _, err = _main(capsys, "export", run, "--out", tmp_path / "afile", "--format", fmt, "--what", "meta")
         assert code == 2
         one_line_error(err, "is a file")
+        # below a file: a NotADirectoryError traceback
+        code, _, err = _main(capsys, "export", run, "--out", tmp_path / "afile" / "x", "--format", fmt, "--what",
+                             "meta")
+        assert code == 2
+        one_line_error(err, f"export --out: {tmp_path / 'afile'} is a file, so {tmp_path / 'afile' / 'x'} cannot be "
+                            f"made; give another path")
     # an earlier export: refused, then replaced with --overwrite
     out = tmp_path / "exp"
     assert _main(capsys, "export", run, "--out", out)[0] == 0
