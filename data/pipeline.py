@@ -288,6 +288,10 @@ class Streams:
             self.validation_ids = np.arange(len(self.eval_docs))
         else:
             self.eval_docs = self.trusted
+        if cfg.chat_template and self.format not in MASKED:  # it was read by nothing, without a word
+            raise ConfigError(f"data.chat_template: the records of data.source={cfg.source} are plain text, and a chat "
+                              f"template renders conversations or prompt and completion records; drop it, or give "
+                              f"such records")
         self.encode = encoder(cfg, self.tokenizer)
         outer_name = cfg.outer_source or cfg.source
         for name, ids, source in (("inner", inner_ids, cfg.source), ("outer", outer_ids, outer_name),

@@ -21,6 +21,8 @@ def _write_jsonl(path, texts):
     (["inner.lora.rank=4", "inner.lora.targets=gate"], ["inner.lora.targets: gate adapts no weight"]),  # GELU MLP
     (["task=maml", "meta_model.preset=44m"], ["meta_model:", "task 'maml' has no meta model"]),  # was ignored
     (["meta_model.n_heads=3"], ["meta_model.d_model=16 is not divisible by meta_model.n_heads=3"]),
+    # a chat template for plain text (here not even a file) was read by nothing
+    (["data.chat_template=tpl.jinja"], ["data.chat_template: the records of data.source=builtin are plain text"]),
 ])
 def test_settings_that_cannot_apply_are_refused(extra, needles, tmp_path, capsys):
     code = cli.main(["train", *TINY, *extra, f"workdir={tmp_path / 'run'}"])
