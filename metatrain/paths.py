@@ -86,7 +86,7 @@ def image_file(path: str, flag: str) -> str:
     if not ext:
         path, ext = path + ".png", "png"
     formats = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in formats:
+    if ext not in formats:
         raise ConfigError(f"{flag}: {path} ends in .{ext}, which matplotlib does not write; give a .png path (or "
                           f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
     return output_file(path, flag)
