@@ -36,6 +36,7 @@ from metatrain.tasks import validate
 from metatrain.tasks.weight_eval import EvalContext
 from metatrain.tracking import MetricsLog, progress_bar, require_wandb
 
+AUTO_CHOICE = "mode_auto.json"  # in the log dir: metagrad `auto`'s choice, which a resumed start takes again
 
 class _StoppedWaiting(BaseException):
     """A stop signal while the run waits for data (a BaseException, as KeyboardInterrupt is: no reader's `except
@@ -133,7 +134,7 @@ class Trainer:
         is the same for every candidate: they differ in how the meta-gradient is computed)."""
         if program.method is None or AUTO not in (self.cfg.metagrad.mode, self.cfg.metagrad.kept_states):
             return program, aot.compile(step_lib.lower(program))
-        saved = os.path.join(workdir_lib.log_dir(self.cfg.workdir), "mode_auto.json")
+        saved = os.path.join(workdir_lib.log_dir(self.cfg.workdir), AUTO_CHOICE)
         resumed = workdir_lib.latest_step(self.cfg.workdir) is not None  # (the run's config: checked before)
         choice = auto.earlier(saved, self.cfg, self.mesh) if resumed else None
         if choice is not None:
@@ -144,7 +145,7 @@ class Trainer:
         choice, program, compiled = auto.choose(self.cfg, self.mesh)
         if self.is_main:
             tqdm.write(auto.describe(choice), file=sys.stderr)
-            self._write_json("mode_auto.json", choice | {"where": auto.where(self.cfg, self.mesh)})
+            self._write_json(AUTO_CHOICE, choice | {"where": auto.where(self.cfg, self.mesh)})
         return program, compiled
 
     def _write_json(self, name: str, payload: dict) -> None:
