@@ -5,15 +5,16 @@ joins them), stream their logs, and when the slice is preempted recreate it and 
     python -m metatrain.launch.tpu --name mt --zone us-east5-a --accelerator-type v5p-16 --create --spot \\
         --workdir gs://BUCKET/runs/mt -- train task=mytasks:MyTask steps=2000
 
-What is shipped is the working tree of the metatrain checkout (committed or not, without what git
-ignores; the checkout this launcher is in, or `--code`: an installed package is refused, since each worker
-installs what it gets from its pyproject.toml), plus your own task module: a `task=module:Class` whose
-module is a file or package in the current directory is found and shipped, and `--include PATH` adds more.
-Both go on the workers' PYTHONPATH, and the launcher prints what it ships. `--queued` creates the slice through
-`gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits
-until it is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path
-(or an absolute path on a file system every worker mounts; a relative one is refused), and data.data_dir may be
-one: checkpoints survive the VM, which is what makes `--resume` after a preemption work.
+What is shipped is the working tree of the metatrain checkout (committed or not, without what git ignores; the
+checkout this launcher is in, or `--code`: an installed package is refused, since each worker installs what it
+gets from its pyproject.toml), plus your own task module: a `task=module:Class` whose module is a file or
+package in the current directory is found and shipped, and `--include PATH` adds more. Both go on the workers'
+PYTHONPATH, and the launcher prints what it ships. The metatrain command is checked here first (its flags, its
+config's keys, types and values), before anything is created or shipped. `--queued` creates the slice through
+`gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits until it
+is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path (or an absolute
+path on a file system every worker mounts; a relative one is refused), and data.data_dir may be one: checkpoints
+survive the VM, which is what makes `--resume` after a preemption work.
 """
 
 from __future__ import annotations
@@ -229,6 +230,41 @@ def launch(args) -> int:
     return code
 
 
+def check_command(command: list[str], workdir: str, include: list[str]) -> str | None:
+    """What is wrong with the metatrain command, found here before a slice is created or anything shipped (a typo
+    costs a second, not a slice's start-up and install): its flags, as `metatrain` parses them (their errors exit
+    here), and its run config's keys, types and values (`metatrain.config.check`: the files it names are the
+    workers' and are not looked for). A `task=module:Class` is imported from the current directory and the
+    `--include` paths, as the workers import it. Returns the config's error, None if it is sound."""
+    from metatrain import cli
+    from metatrain import config as config_lib
+    from metatrain.errors import ConfigError
+
+    parser = cli.build_parser()
+    parsed, unknown = parser.parse_known_args(command)
+    if unknown:
+        getattr(parsed, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    preset, overrides = None, list(parsed.overrides)
+    if overrides and "=" not in overrides[0]:
+        preset, overrides = overrides[0], overrides[1:]
+    if getattr(parsed, "baseline", None):
+        overrides.append(f"baseline={parsed.baseline}")
+    default = "pretrain" if parsed.command == "pretrain" else "default"
+    where = [str(Path.cwd())] + [str(Path(p).resolve().parent) for p in include]
+    sys.path[:0], imported = where, set(sys.modules)
+    try:
+        config_lib.check(preset or default, [*overrides, f"workdir={workdir}"])
+    except ConfigError as e:
+        return str(e)
+    finally:
+        del sys.path[:len(where)]
+        for name in set(sys.modules) - imported:  # the user's modules: imported again from where the run starts
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if any(file.startswith(os.path.join(w, "")) for w in where):
+                del sys.modules[name]
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m metatrain.launch.tpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,6 +311,9 @@ def main(argv=None) -> int:
     for extra in args.include:
         if not Path(extra).exists():
             parser.error(f"--include {extra}: no such file or folder")
+    problem = check_command(args.command, args.workdir, args.include)
+    if problem:
+        parser.error(f"the metatrain command after --: {problem}")
     if "://" not in args.workdir:
         if not os.path.isabs(args.workdir):
             parser.error(f"--workdir {args.workdir}: a relative path is inside {args.remote_dir}/code on each worker, "

@@ -174,7 +174,9 @@ def _positive(value: float, field: str, minimum: float = 0.0, strict: bool = Tru
     _check(ok, field, f"must be a finite number {'>' if strict else '>='} {minimum:g}, got {value}")
 
 
-def validate(cfg: Config) -> Config:
+def validate(cfg: Config, local_files: bool = True) -> Config:
+    """`cfg`'s values checked (ConfigError: one line naming the key); `local_files=False` leaves out what needs the
+    files it names (the work dir, `init_from` checkpoints), for a run that starts on another machine."""
     g = cfg.metagrad
     _check(g.mode != "default", "metagrad.mode", "'default' is now called autodiff (reverse-over-reverse)")
     _check(g.mode in MODES + (AUTO,), "metagrad.mode", f"{g.mode!r} is not one of {MODES + (AUTO,)}")
@@ -201,17 +203,18 @@ def validate(cfg: Config) -> Config:
            f"{o.warmup_steps} leaves no steps to decay over with schedule=cosine and steps={cfg.steps}")
     _check(cfg.baseline in ("none", "uniform"), "baseline", f"{cfg.baseline!r} is not none or uniform")
     _check(bool(cfg.workdir.strip()), "workdir", "must not be empty")
-    _check(not os.path.isfile(cfg.workdir), "workdir", f"{cfg.workdir!r} is a file; give a directory (new or a run's)")
+    _check(not local_files or not os.path.isfile(cfg.workdir), "workdir",
+           f"{cfg.workdir!r} is a file; give a directory (new or a run's)")
     init_from = cfg.inner.init_from.removeprefix(HF_PREFIX)
-    _check(not init_from or os.path.isdir(init_from), "inner.init_from",
+    _check(not local_files or not init_from or os.path.isdir(init_from), "inner.init_from",
            f"{init_from!r} is not a directory; give a `metatrain pretrain` work dir, a `metatrain export` or "
            f"`metatrain import hf` dir, or hf:DIR")
     _check(not (cfg.meta_model.init_from and cfg.meta_model.preset), "meta_model.preset",
            "give meta_model.preset or meta_model.init_from, not both (the checkpoint fixes the architecture)")
     for name in ("d_model", "n_layers", "n_heads", "d_ff"):
         _check(getattr(cfg.meta_model, name) >= 0, f"meta_model.{name}", "must be >= 0 (0: not changed)")
-    if cfg.meta_model.given:  # a bad preset, checkpoint or field combination: refused before anything is built
-        meta_model_config(cfg, check_vocab=False)
+    if cfg.meta_model.given and (local_files or not cfg.meta_model.init_from):
+        meta_model_config(cfg, check_vocab=False)  # a bad preset, checkpoint or field combination: refused early
     for name in ("data", "fsdp"):
         size = getattr(cfg.mesh, name)
         _check(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 (fill) or >= 1, got {size}")
@@ -411,6 +414,37 @@ def override_key(override: str) -> str:
 def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool = True) -> Config:
     """Defaults ← `configs/<preset>.yaml` (or a YAML path) ← `key=value` overrides; validated. With `pretrained`
     the model follows `inner.init_from`'s checkpoint (`follow_pretrained`); False reads a saved config as it is."""
+    cfg, tokenizer_given = _merged(preset, overrides)
+    cfg = local_paths(cfg)
+    given = {override_key(o) for o in overrides}
+    if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
+        # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corrupt_fraction=0.0))
+    if not pretrained:
+        return dataclasses.replace(validate(dataclasses.replace(cfg, inner=InnerConfig())), inner=cfg.inner)
+    return follow_pretrained(validate(cfg), tokenizer_given)
+
+
+def check(preset: str | None = None, overrides: list[str] = ()) -> Config:
+    """A run config checked where the run does not start (`metatrain.launch.tpu`, before it creates or ships anything):
+    its keys, types and values, as `load` checks them, but no file it names is read or looked for (they are the
+    run's machine's).
+
+    Args:
+      preset: a preset name or YAML path, as `load` takes it.
+      overrides: `key=value` strings.
+
+    Returns:
+      The merged `Config`, its paths as given.
+
+    Raises:
+      ConfigError: one line naming the key and what is wrong.
+    """
+    return validate(_merged(preset, overrides)[0], local_files=False)
+
+
+def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
+    """(defaults ← preset ← overrides, typed; whether a data.tokenizer was given), not yet validated."""
     tokenizer_given = any(override_key(o) == "data.tokenizer" for o in overrides)
     try:
         merged = OmegaConf.structured(Config)
@@ -446,14 +480,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
         raise ConfigError(f"{key or 'config'}: {why}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
-    cfg = local_paths(cfg)
-    given = {override_key(o) for o in overrides}
-    if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
-        # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corrupt_fraction=0.0))
-    if not pretrained:
-        return dataclasses.replace(validate(dataclasses.replace(cfg, inner=InnerConfig())), inner=cfg.inner)
-    return follow_pretrained(validate(cfg), tokenizer_given)
+    return cfg, tokenizer_given
 
 
 def local_paths(cfg: Config) -> Config:

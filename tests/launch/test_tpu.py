@@ -118,6 +118,36 @@ def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
     assert "is not a gs:// path: every worker must see the same folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, says", [
+    (["train", "steps=abc"], "python -m metatrain.launch.tpu: error: the metatrain command after --: steps: Value "
+                             "'abc' of type 'str' could not be converted to Integer"),
+    (["train", "maml", "model.d_modle=64"], "python -m metatrain.launch.tpu: error: the metatrain command after --: "
+                                            "model.d_modle: Key 'd_modle' not in 'ModelConfig'"),
+    (["pretrain", "nosuchpreset"], "python -m metatrain.launch.tpu: error: the metatrain command after --: preset: "
+                                   "no config 'nosuchpreset'"),
+    (["train", "task=mytask:Mine"], "python -m metatrain.launch.tpu: error: the metatrain command after --: task: "
+                                    "task 'mytask:Mine': cannot import module 'mytask'"),
+    (["train", "--bogus"], "metatrain train: error: unrecognized arguments: --bogus"),
+])
+def test_a_bad_metatrain_command_is_refused_before_anything_runs(command, says, checkout, capsys):
+    """Checked here, not on the workers after the slice is created and the code installed."""
+    with pytest.raises(SystemExit) as e:
+        tpu.main([*BASE, "--code", str(checkout), "--create", "--", *command])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.strip().splitlines()[-1].startswith(says), err
+    assert "shipping" not in out and not _commands(out)
+
+
+def test_the_files_a_command_names_are_the_workers(checkout, capsys):
+    """Checkpoints to start from are paths on the workers: not looked for here. The user's task module is imported
+    for the check from the current directory, and left out of this process's modules afterwards."""
+    assert tpu.main([*BASE, "--code", str(checkout), "--", "train", "task=mytasks:Mine",
+                     "inner.init_from=/data/pretrained"]) == 0
+    assert "mytasks" not in sys.modules
+    assert tpu.main([*BASE, "--code", str(checkout), "--", "train", "meta_model.init_from=/data/scorer"]) == 0
+    assert "metatrain train task=mytasks:Mine inner.init_from=/data/pretrained" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.tpu_backend
 def test_compile_on_v5p_2x2x1_fits_with_fsdp(tmp_path):
