@@ -38,6 +38,17 @@ positive_int = number(int, 1, math.inf, ">= 1")
 nonnegative_int = number(int, 0, math.inf, ">= 0")
 
 
+def mesh_size(text: str) -> int:
+    """An argparse type: a mesh axis size, -1 (all the devices) or a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (all the devices) or >= 1, got {text}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: a comma list of whole numbers >= 1, e.g. "2,8"."""
     try:

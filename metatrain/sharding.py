@@ -84,8 +84,10 @@ def make_mesh(cfg: MeshConfig, devices=None, population: int = 0) -> jax.shardin
         fsdp = n // data
     if data * fsdp != n or data < 1 or fsdp < 1:
         each = f" of each of the {population} members" if population else ""
-        raise ConfigError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not divide the {n} devices{each}; "
-                          f"set mesh.data=-1 or sizes whose product is {n}")
+        error = ConfigError(f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not divide the {n} devices{each}; "
+                            f"set mesh.data=-1 or sizes whose product is {n}")
+        error.devices = n  # for a command whose flag set the sizes, to say it in its own terms
+        raise error
     if population:
         return jax.sharding.Mesh(np.asarray(devices).reshape(population, data, fsdp), ("population", "data", "fsdp"),
                                  axis_types=(jax.sharding.AxisType.Auto,) * 3)

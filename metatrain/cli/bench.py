@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from metatrain import paths
+from metatrain import argtypes, paths
 from metatrain.cli import common
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES
@@ -158,7 +158,15 @@ def cmd_compile(args) -> int:
     print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.metagrad.mode} model={args.model} "
           f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}", flush=True)
-    r = compile_report(cfg, args.topology)
+    try:
+        r = compile_report(cfg, args.topology)
+    except ConfigError as e:
+        n = getattr(e, "devices", None)
+        if n is None:
+            raise
+        devices = f"{n} device{'s' * (n != 1)} " + (f"of {args.topology}" if args.topology else "here")
+        raise ConfigError(f"--fsdp {args.fsdp} does not divide the {devices}; give one of "
+                          f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}, or -1 (all of them)") from None
     print(f"meta-gradient: {r['plan']}")
     hbm = (f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["backend"] == "tpu" else
            f"; memory per GPU for this process {r['hbm_bytes'] / GiB:.2f} GiB "
@@ -276,7 +284,8 @@ def register(sub) -> None:
     p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4, h100, h200:8 (default: this "
                                                     "machine's devices)")
     p.add_argument("--mode", default="mixflow", choices=MODES)
-    p.add_argument("--fsdp", type=int, default=-1, help="fsdp mesh axis size (-1 = all devices); data = the rest")
+    p.add_argument("--fsdp", type=argtypes.mesh_size, default=-1,
+                   help="fsdp mesh axis size (-1 = all devices); data = the rest")
     p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. metagrad.save_inner_grads=false")
     p.set_defaults(fn=cmd_compile)

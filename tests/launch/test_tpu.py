@@ -1,6 +1,7 @@
 """The TPU side without a TPU: the launcher's dry run (what it ships, queued resources, the restart branch), and
 compiling the outer step for v5p with libtpu."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -207,6 +208,20 @@ def test_compile_reports_what_does_not_fit(capsys, monkeypatch, tmp_path):
         printed = capsys.readouterr().out
         assert all(line in printed for line in lines), printed
         assert json.loads(out.read_text())["exact"] is report["exact"]
+
+
+@pytest.mark.parametrize("fsdp, says", [
+    ("0", "argument --fsdp: must be -1 (all the devices) or >= 1, got 0"),
+    ("two", "argument --fsdp: 'two' is not a whole number"),
+    # this process has one CPU device (tests/conftest.py)
+    ("2", "--fsdp 2 does not divide the 1 device here; give one of 1, or -1 (all of them)"),
+])
+def test_a_bad_fsdp_size_is_named_by_its_flag(capsys, fsdp, says):
+    """`compile --fsdp` sets mesh.fsdp: the error names the flag the user gave, not the config key."""
+    with pytest.raises(SystemExit) if not says.startswith("--") else contextlib.nullcontext():
+        assert cli.main(["compile", "--model", "tiny", "--fsdp", fsdp]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == f"metatrain compile: error: {says}", err
 
 
 @pytest.mark.parametrize("topology, says", [
