@@ -32,7 +32,7 @@ from metatrain.data import records
 from metatrain.data.pipeline import document_source, encoder, fields, split_ids
 from metatrain.data.pipeline import where as where_
 from metatrain.errors import ConfigError, DataError, MetatrainError
-from metatrain.run import Run, on_one_device
+from metatrain.run import PRETRAIN, Run, on_one_device
 
 
 def document_rows(tokens: np.ndarray, mask: np.ndarray, seq_len: int, max_rows: int) -> list[dict]:
@@ -230,8 +230,9 @@ def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final) 
 
 def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:
     """[(which model, mean next-token loss)] on `source` (all its documents) or, by default, the run's validation
-    documents (data.eval_source, or the held-out share of data.outer_source, or of data.source)."""
-    run = Run.open(workdir).meta_training()
+    documents (data.eval_source, or the held-out share of data.outer_source, or of data.source). A pretrain run's
+    one model is "model"."""
+    run = Run.open(workdir)
     cfg = run.cfg
     if run.task.model is None:
         raise ConfigError(f"eval: task {cfg.task!r} of {workdir} brings its own model, not a language model; eval "
@@ -255,13 +256,18 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     frozen = export_lib.lora_base(cfg, run.model) if run.task.lora is not None else None
     per_example = jax.jit(lambda theta, fr, b: run.task.with_frozen(fr).example_losses(theta, b))
     loss = lambda theta, b: per_example(theta, frozen, b)  # the base weights an argument, not a constant
-    theta_shapes = run.shapes["meta"] if run.task.resets_inner else run.shapes["inner"][0]
-    if run.cfg.population.size > 1 and not run.task.resets_inner:  # a population: member 0, as exported
-        theta_shapes = population.member(theta_shapes)
-        inner = lambda: population.member(run.restored("inner")[0])
+    if run.kind == PRETRAIN:
+        theta_shapes = run.shapes["params"]
+        models = [("model", lambda: run.restored("params"))]
+    elif run.task.resets_inner:
+        theta_shapes = run.shapes["meta"]
+        models = [("inner model (fine-tuned)", lambda: run.restored("meta"))]
+    elif run.cfg.population.size > 1:  # a population: member 0, as exported
+        theta_shapes = population.member(run.shapes["inner"][0])
+        models = [("inner model (fine-tuned)", lambda: population.member(run.restored("inner")[0]))]
     else:
-        inner = lambda: run.restored("meta") if run.task.resets_inner else run.restored("inner")[0]
-    models = [("inner model (fine-tuned)", inner)]
+        theta_shapes = run.shapes["inner"][0]
+        models = [("inner model (fine-tuned)", lambda: run.restored("inner")[0])]
     if run.saved.get("base") is not None:
         models.append(("uniform baseline", lambda: run.restored("base")["inner"][0]))
     if cfg.inner.init_from and run.task.lora is not None:  # fresh adapters (B = 0): the base model itself

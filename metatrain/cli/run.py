@@ -254,8 +254,9 @@ def register(sub) -> None:
                    help="score a document by its first N rows of seq_len+1")
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_filter)
-    p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start")
-    p.add_argument("workdir", help="a `metatrain train` work dir")
+    p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start (a "
+                                    "pretrain run: its model)")
+    p.add_argument("workdir", help="a `metatrain train` or `metatrain pretrain` work dir")
     p.add_argument("--data", default=None, help="a data source (default: the run's validation documents)")
     p.add_argument("--max-docs", type=common.nonnegative_int, default=0, help="evaluate the first N documents (0: all)")
     p.add_argument("--max-rows", type=common.positive_int, default=16,

@@ -1,6 +1,7 @@
 """`metatrain.run.Run`: a finished run opened from its work dir, checked against the shared run's checkpoint read
 directly with Orbax."""
 
+import json
 import os
 import shutil
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from helpers import leaves, saved_state
 
+from metatrain import cli
 from metatrain.errors import ConfigError, DataError
 from metatrain.run import Run
 
@@ -77,7 +79,7 @@ def test_a_config_yaml_changed_after_the_run_is_one_line_before_anything_is_read
 
 
 @pytest.mark.slow
-def test_a_pretrain_run_is_its_model(tmp_path):
+def test_a_pretrain_run_is_its_model(tmp_path, capsys):
     from helpers import train
 
     train(tmp_path / "base", "steps=1", "data.corrupt_fraction=0", command="pretrain")
@@ -90,3 +92,18 @@ def test_a_pretrain_run_is_its_model(tmp_path):
              "positions": np.tile(np.arange(9, dtype=np.int32), (2, 1))}
     losses = np.asarray(run.task.example_losses(params, batch))
     assert losses.shape == (2,) and np.isfinite(losses).all() and (losses > 0).all()
+    # `metatrain eval` measures its one model: the token-weighted mean of each document's loss, evaluated alone here
+    docs, seq = ["x = 1\n", "import os\n"], run.cfg.data.seq_len
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert cli.main(["eval", str(tmp_path / "base"), "--data", f"jsonl:{tmp_path / 'docs.jsonl'}"]) == 0
+    printed = capsys.readouterr().out.splitlines()[-1].split()
+    total = count = 0
+    for doc in docs:
+        ids = run.tokenizer().encode(doc)
+        row = np.zeros((1, seq + 1), np.int32)
+        row[0, :len(ids)] = ids
+        alone = {"tokens": row, "segment_ids": (np.arange(seq + 1) < len(ids)).astype(np.int32)[None],
+                 "positions": np.arange(seq + 1, dtype=np.int32)[None]}
+        total += float(run.task.example_losses(params, alone)[0]) * (len(ids) - 1)
+        count += len(ids) - 1
+    assert printed[:2] == ["model", "loss"] and float(printed[2]) == pytest.approx(total / count, abs=1e-4)
