@@ -105,9 +105,10 @@ def _same(a: str, b: str) -> bool:
 def output(path: str, flag: str, *, directory: bool = False, inputs=(), overwrite: bool | None = None) -> str:
     """The one rule for what `scores`, `filter`, `data make-noisy`/`make-chat` and `experiment curation` write,
     checked before any work: OUT is refused when it is one of the command's inputs, when a file stands where a
-    directory is needed (OUT itself, or a folder above it), or when it is already there: a file, or a directory
-    holding anything. `overwrite` None: the command has no --overwrite; False/True: whether it was given (then an
-    existing file is replaced). Returns OUT absolute; nothing is made yet (`staged_file`, `filled_dir` do).
+    directory is needed (OUT itself, or a folder above it), when the folder it goes in cannot be written, or when it
+    is already there: a file, or a directory holding anything. `overwrite` None: the command has no --overwrite;
+    False/True: whether it was given (then an existing file is replaced). Returns OUT absolute; nothing is made yet
+    (`staged_file`, `filled_dir` do).
 
     Args:
       path: OUT as the user gave it.
@@ -123,9 +124,9 @@ def output(path: str, flag: str, *, directory: bool = False, inputs=(), overwrit
         if given and not is_remote(str(given)) and os.path.exists(given) and os.path.exists(path) and _same(
                 path, given):
             raise ConfigError(f"{flag}: {path} is one of the command's inputs; give a new path")
-    above = _nearest_existing(os.path.dirname(path))
-    if above and not os.path.isdir(above):
-        raise ConfigError(f"{flag}: {above} is a file, so {path} cannot be made; give another path")
+    why = not is_remote(path) and unwritable_folder(os.path.dirname(path))
+    if why:
+        raise ConfigError(f"{flag}: {why}, so {path} cannot be made; give another path")
     if directory and os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a file; give a new directory")
     if not directory and os.path.isdir(path):

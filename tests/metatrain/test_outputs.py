@@ -3,6 +3,7 @@
 hang, a wrong file or lost files."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -183,6 +184,27 @@ def test_make_noisy_and_make_chat_check_out_and_leave_nothing_when_stopped(tmp_p
     (tmp_path / "empty").mkdir()
     assert _main(capsys, "data", "make-noisy", "--out", tmp_path / "empty")[0] == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"] and not any((tmp_path / "empty").iterdir())
+
+
+def test_an_output_in_a_folder_that_cannot_be_written_is_one_line_before_any_work(shared_run, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A read-only folder (a mount, another user's dir) under OUT: a traceback once the work was done (scores: at
+    the rename of its temporary file), or at the first makedirs. As root the kernel lets every folder be written,
+    so os.access stands in there."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.access(locked, os.W_OK):  # root
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: False if str(p) == str(locked) else real(p, mode, **k))
+    for argv, flag, out in ((["data", "make-noisy", "--out"], "data make-noisy --out", locked / "noisy"),
+                            (["data", "make-chat", "--out"], "data make-chat --out", locked / "a" / "chat"),
+                            (["scores", shared_run["workdir"], "--out"], "scores --out", locked / "s.jsonl"),
+                            (["experiment", "curation", "--scale", "micro"], "experiment curation DIR", locked / "x")):
+        code, printed, err = _main(capsys, *argv, out)
+        assert code == 2 and "wrote" not in printed
+        one_line_error(err, f"{flag}: {locked} is not writable, so {out} cannot be made; give another path")
+    assert not any(locked.iterdir())
 
 
 def test_experiment_dir_that_is_a_file_is_one_line(tmp_path, capsys):
