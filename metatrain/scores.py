@@ -79,11 +79,19 @@ def _batches(docs, ids, encode, seq_len: int, batch: int, max_rows: int
                    np.asarray([r["targets"] for _, r in take] + [0] * pad))
 
 
+def not_finite(where: str, score: float) -> DataError:
+    """The error for a document whose score is inf or NaN: the parameters that scored it diverged."""
+    return DataError(f"{where}: its score is {score}, not a finite number: the parameters that scored it diverged "
+                     "(a run whose meta-training diverged; its metrics.jsonl counts the skipped updates); train again, "
+                     "e.g. with a smaller meta_opt.lr")
+
+
 def score_stream(fn, params, items, encode, seq_len: int, batch: int, max_rows: int):
     """Per-document means of `fn(params, batch) -> [batch]` over a stream of documents, in order and in bounded
     memory: `items` yields (record with `.doc` and `.where`, progress); yields (record, its token
     count, its mean over its target tokens (NaN without any), progress). Rows of several documents share a batch
-    (padding rows at the end only)."""
+    (padding rows at the end only). A document with targets whose mean is not finite is a DataError (`not_finite`).
+    """
     pending_docs, rows = [], []  # [record, progress, tokens, total, count, rows left]; (doc slot, row)
     first = 0  # the document number of pending_docs[0]
 
@@ -101,7 +109,10 @@ def score_stream(fn, params, items, encode, seq_len: int, batch: int, max_rows: 
         while pending_docs and pending_docs[0][5] == 0:
             rec, where, n_tokens, total, count, _ = pending_docs.pop(0)
             first += 1
-            yield rec, n_tokens, (total / count if count else float("nan")), where
+            mean = total / count if count else float("nan")
+            if count and not math.isfinite(mean):
+                raise not_finite(rec.where, mean)
+            yield rec, n_tokens, mean, where
 
     for rec, where in items:
         tokens, mask = encode(rec.doc, rec.where)
@@ -173,8 +184,11 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     if spec.startswith(tuple(records.FORMATS)):  # streamed: bounded memory whatever the file's size
         return _scores_streamed(run, spec, out, encode, fn, max_rows)
     docs = document_source(run.cfg.data, spec)
-    values, _ = _per_document(fn, run.restored("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows,
-                              "scoring")
+    values, count = _per_document(fn, run.restored("meta"), docs, np.arange(len(docs)), encode, run.cfg, max_rows,
+                                  "scoring")
+    bad = np.flatnonzero((count > 0) & ~np.isfinite(values))
+    if bad.size:
+        raise not_finite(f"{spec} document {docs.doc_id(int(bad[0]))}", float(values[bad[0]]))
     weights = batch_weights(values, run.cfg.data.batch)
     with paths.staged_file(out) as tmp, open(tmp, "w") as f:
         for i in range(len(docs)):

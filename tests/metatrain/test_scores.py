@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import saved_state
+from helpers import cli_run, one_line_error, saved_state
 
 from metatrain import cli
 from metatrain import config as config_lib
@@ -71,6 +71,26 @@ def test_eval_matches_the_models_evaluated_here(shared_run, tmp_path, capsys):
         assert float(printed[2].replace(",", "")) == pytest.approx(np.exp(loss), rel=1e-3)
     assert cli.main(["eval", workdir]) == 0  # the run's validation documents by default
     assert "on the run's validation documents" in capsys.readouterr().out
+
+
+def test_scores_that_are_not_finite_are_one_line_and_write_nothing(shared_run, tmp_path, capsys, monkeypatch):
+    """A run whose meta-training diverged (meta_opt.lr=1e9: η's first update was finite, its scores -inf) gave a
+    traceback in `scores` (the in-memory path) or a wrong reason ("no token to predict") in the streamed one. Its
+    scores stand in here for such an η."""
+    import jax.numpy as jnp
+
+    from metatrain.tasks.loss_weighting import LossWeighting
+
+    monkeypatch.setattr(LossWeighting, "scores", lambda self, meta, b: jnp.full(b["tokens"].shape[:1], -jnp.inf))
+    path, workdir = _setup(shared_run, tmp_path)[:2]
+    for argv, where in ((["scores", workdir, "--out", tmp_path / "a.jsonl"], "builtin document "),
+                        (["scores", workdir, "--data", f"jsonl:{path}", "--out", tmp_path / "b.jsonl"], f"{path}:1"),
+                        (["filter", workdir, "--data", f"jsonl:{path}", "--drop", "0.5", "--out", tmp_path / "c"],
+                         f"{path}:1")):
+        code, out, err = cli_run(capsys, *argv)
+        assert code == 2
+        one_line_error(err, where, "its score is -inf, not a finite number: the parameters that scored it diverged")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
 
 
 def test_the_run_lists_its_lowest_and_highest_weighted_documents(shared_run):
