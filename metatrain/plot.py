@@ -90,7 +90,7 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
                               ("train", True), ("norm", True)) if ok]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4))
     axes = dict(zip(panels, np.atleast_1d(axes)))
-    for name, (train, evals, weights) in runs.items():
+    for i, (name, (train, evals, weights)) in enumerate(runs.items()):
         c, tag = colors[name], (f"{name}: " if several else "")
         if "val" in axes:
             ax = axes["val"]
@@ -105,12 +105,16 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
                         label=f"{tag}uniform baseline")
         if "auc" in axes and any("eval_auc" in r for r in evals):
             axes["auc"].plot(*_series(evals, "eval_auc"), "-o", ms=3, color=c, label=name)
-        if "weights" in axes and weights:
-            w = np.asarray(weights["weights"])
+        w = np.asarray(weights["weights"], dtype=float) if "weights" in axes and weights else np.zeros(0)
+        finite = np.isfinite(w)  # a diverged η: NaN weights, said in the plot rather than drawn
+        if len(w) and not finite.any():
+            axes["weights"].text(0.5, 0.5 - 0.1 * i, f"{tag}no finite weight (the meta-training diverged)",
+                                 ha="center", va="center", color=c, transform=axes["weights"].transAxes)
+        elif len(w):
             flags = weights.get("corrupted")
-            groups = ([("clean", w[np.asarray(flags) == 0], "tab:green"), ("corrupted", w[np.asarray(flags) == 1],
-                                                                          "tab:red")] if flags is not None
-                      else [("all examples", w, c)])
+            w, flags = w[finite], None if flags is None else np.asarray(flags)[finite]
+            groups = ([("clean", w[flags == 0], "tab:green"), ("corrupted", w[flags == 1], "tab:red")]
+                      if flags is not None else [("all examples", w, c)])
             bins = np.linspace(w.min(), w.max() + 1e-9, 30)
             for label, values, color in groups:
                 axes["weights"].hist(values, bins=bins, alpha=0.55, color=color if not several else None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import sys
@@ -43,6 +44,8 @@ def summary_writer(directory: str):
     finally:
         if blocked:
             del sys.modules["torch"]
+    # a NaN metric is written as it is; the run says which steps were not finite, tensorboardX would warn per scalar
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     return _refusals_kept(SummaryWriter(directory))
 
 

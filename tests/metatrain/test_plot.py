@@ -11,6 +11,26 @@ def _png(path):
     return path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_weights_that_are_not_finite_are_said_not_drawn(shared_run, tmp_path, capsys):
+    """A run whose meta-training diverged has NaN weights: the report says so in the weights panel (matplotlib
+    warned "All-NaN slice encountered" and drew nothing); some NaN weights leave the others drawn."""
+    import warnings
+
+    runs = []
+    for name, nan_every in (("diverged", 1), ("partly", 2)):
+        run = tmp_path / name
+        shutil.copytree(shared_run["workdir"], run, ignore=shutil.ignore_patterns("checkpoints", "*.lock", ".lock"))
+        weights = json.loads((run / "eval_weights.json").read_text())
+        weights["weights"] = [float("nan") if i % nan_every == 0 else w for i, w in enumerate(weights["weights"])]
+        (run / "eval_weights.json").write_text(json.dumps(weights))
+        runs.append(str(run))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for argv in ([runs[0]], [runs[1]], runs):
+            assert cli.main(["plot", *argv, "--out", str(tmp_path / "r.png")]) == 0
+            assert _png(tmp_path / "r.png")
+
+
 def test_two_workdirs_overlay(shared_run, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(shared_run["workdir"], other, ignore=shutil.ignore_patterns("checkpoints", "*.lock", ".lock"))

@@ -70,6 +70,7 @@ import sys
 from metatrain.tracking import summary_writer
 w = summary_writer({str(tmp_path)!r})
 w.add_scalar("outer_loss", 2.5, 1)
+w.add_scalar("outer_loss", float("nan"), 2)  # a step that was not finite: written, and said by the run alone
 w.close()
 assert "torch" not in sys.modules, "torch was imported"
 from tensorboardX.event_file_writer import event_pb2
@@ -89,4 +90,5 @@ except ImportError:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[('outer_loss', 2.5, 1)]"
+    assert out.stdout.strip() == "[('outer_loss', 2.5, 1), ('outer_loss', nan, 2)]"
+    assert "NaN or Inf" not in out.stderr, out.stderr  # tensorboardX warned once per scalar
