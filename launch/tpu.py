@@ -238,18 +238,14 @@ def check_command(command: list[str], workdir: str, include: list[str]) -> str |
     `--include` paths, as the workers import it. Returns the config's error, None if it is sound."""
     from metatrain import cli
     from metatrain import config as config_lib
+    from metatrain.cli.run import run_settings
     from metatrain.errors import ConfigError
 
     parser = cli.build_parser()
     parsed, unknown = parser.parse_known_args(command)
     if unknown:
         getattr(parsed, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    preset, overrides = None, list(parsed.overrides)
-    if overrides and "=" not in overrides[0]:
-        preset, overrides = overrides[0], overrides[1:]
-    if getattr(parsed, "baseline", None):
-        overrides.append(f"baseline={parsed.baseline}")
-    default = "pretrain" if parsed.command == "pretrain" else "default"
+    preset, overrides, default = run_settings(parsed)
     where = [str(Path.cwd())] + [str(Path(p).resolve().parent) for p in include]
     sys.path[:0], imported = where, set(sys.modules)
     try:

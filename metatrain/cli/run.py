@@ -31,6 +31,17 @@ def _refuse_the_other_kind(command: str, workdir: str) -> None:
                           f"or give `metatrain {command}` a new workdir{start}")
 
 
+def run_settings(args) -> tuple[str | None, list[str], str]:
+    """(preset or None, key=value overrides, the command's default preset) of parsed `train`/`pretrain` arguments:
+    a first argument without `=` is the preset; `--baseline` is the `baseline=` override."""
+    preset, overrides = None, list(args.overrides)
+    if overrides and "=" not in overrides[0]:
+        preset, overrides = overrides[0], overrides[1:]
+    if getattr(args, "baseline", None):
+        overrides.append(f"baseline={args.baseline}")
+    return preset, overrides, "pretrain" if args.command == "pretrain" else "default"
+
+
 def cmd_train(args) -> int:
     """`train` and `pretrain`: the same loop, with or without a meta level."""
     from metatrain import config as config_lib
@@ -40,12 +51,7 @@ def cmd_train(args) -> int:
     from metatrain.plot import plot_runs
 
     joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
-    preset, overrides = None, list(args.overrides)
-    if overrides and "=" not in overrides[0]:
-        preset, overrides = overrides[0], overrides[1:]
-    if getattr(args, "baseline", None):
-        overrides.append(f"baseline={args.baseline}")
-    default_preset = "pretrain" if args.command == "pretrain" else "default"
+    preset, overrides, default_preset = run_settings(args)
     try:
         cfg, resume = workdir_lib.run_config(preset, overrides, args.resume, default_preset=default_preset)
     except ConfigError:  # a run of the other command is named as such, not by the settings where it differs
