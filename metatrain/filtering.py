@@ -21,7 +21,6 @@ directory every process sees (a shared file system).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -309,7 +308,8 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
 
 def _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, parts, sample, cdf_sample,
               seconds) -> dict:
-    read = lambda name: [json.load(open(os.path.join(staging, f"{name}-{k:05d}.json"))) for k in range(parts)]
+    read = lambda name: [paths.read_json(os.path.join(staging, f"{name}-{k:05d}.json"), "filter's count")
+                         for k in range(parts)]
     counts, kept = read("count"), read("kept")
     n_in, n_kept = sum(c["documents"] for c in counts), sum(c["documents"] for c in kept)
     t_in, t_kept = sum(c["tokens"] for c in counts), sum(c["tokens"] for c in kept)

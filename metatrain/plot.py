@@ -32,7 +32,7 @@ def _read(workdir: str) -> tuple[list[dict], list[dict], dict | None]:
     if not rows:
         raise DataError(f"{path} is empty: nothing to plot yet")
     weights_path = os.path.join(workdir, "eval_weights.json")
-    weights = json.load(open(weights_path)) if os.path.exists(weights_path) else None
+    weights = paths.read_json(weights_path, "run's final weights") if os.path.exists(weights_path) else None
     evals = [r for r in rows if "eval_validation_loss" in r]
     return [r for r in rows if "eval_validation_loss" not in r], evals, weights
 
