@@ -50,7 +50,9 @@ def _nearest_existing(folder: str) -> str:
 
 def unwritable_folder(folder: str) -> str | None:
     """Why `folder` (there or to be made) cannot be written, or None: the nearest path of it or above it that exists
-    is a file, or a folder this process cannot write in."""
+    is a file, or a folder this process cannot write in. A URL-style folder (gs://...) is its store's to refuse."""
+    if is_remote(folder):
+        return None
     above = _nearest_existing(os.path.abspath(folder))
     if above and not os.path.isdir(above):
         return f"{above} is a file"
@@ -124,7 +126,7 @@ def output(path: str, flag: str, *, directory: bool = False, inputs=(), overwrit
         if given and not is_remote(str(given)) and os.path.exists(given) and os.path.exists(path) and _same(
                 path, given):
             raise ConfigError(f"{flag}: {path} is one of the command's inputs; give a new path")
-    why = not is_remote(path) and unwritable_folder(os.path.dirname(path))
+    why = unwritable_folder(os.path.dirname(path))
     if why:
         raise ConfigError(f"{flag}: {why}, so {path} cannot be made; give another path")
     if directory and os.path.exists(path) and not os.path.isdir(path):

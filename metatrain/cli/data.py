@@ -25,7 +25,7 @@ def cmd_data_build(args) -> int:
     from metatrain.data.tfds_source import build_text_dataset
 
     data_dir = paths.local(args.data_dir)
-    blocked = data_dir and not paths.is_remote(data_dir) and paths.unwritable_folder(data_dir)
+    blocked = data_dir and paths.unwritable_folder(data_dir)
     if blocked:  # else a NotADirectoryError from deep inside the build
         raise ConfigError(f"--data-dir {data_dir}: {blocked}; give a folder to build the dataset in")
     path, stats = build_text_dataset(args.input, args.name, data_dir, overwrite=args.overwrite)
