@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 import time
 
 # A write the disk refused (a full disk, a quota, a file size limit), and how it is worded (strerror), also inside
@@ -58,6 +59,11 @@ def unwritable_folder(folder: str) -> str | None:
         return f"{above} is a file"
     if above and not os.access(above, os.W_OK | os.X_OK):
         return f"{above} is not writable"
+    if above:  # what access() allows may still be refused (root in /proc or /sys, an NFS server): try a file there
+        try:
+            tempfile.TemporaryFile(dir=above).close()
+        except OSError as e:
+            return f"{above} is not writable ({e.strerror})"
     return None
 
 

@@ -207,6 +207,19 @@ def test_an_output_in_a_folder_that_cannot_be_written_is_one_line_before_any_wor
     assert not any(locked.iterdir())
 
 
+def test_a_folder_the_kernel_refuses_though_access_allows_is_one_line_before_any_work(capsys):
+    """/proc and /sys: os.access lets root write there, creating a file does not (ENOENT, EACCES), and the --json of a
+    compile was a traceback once the compile was done. As another user os.access already refuses them."""
+    for argv, out, said in ((["compile", "--json"], "/proc/x.json", "--json: /proc is not writable"),
+                            (["compile", "--json"], "/sys/kernel/a/x.json", "--json: /sys/kernel is not writable"),
+                            (["data", "make-noisy", "--out"], "/proc/noisy", "data make-noisy --out: /proc is not "
+                                                                             "writable")):
+        code, printed, err = _main(capsys, *argv, out)
+        assert code == 2 and not printed, printed
+        one_line_error(err, said, f"so {out} cannot be")
+    assert not os.path.exists("/sys/kernel/a")
+
+
 def test_experiment_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "afile").write_text("mine")
     code, _, err = _main(capsys, "experiment", "curation", tmp_path / "afile", "--scale", "micro")
