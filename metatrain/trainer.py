@@ -352,9 +352,12 @@ class Trainer:
                         tqdm.write(f"step {step + 1}: non-finite loss, meta-gradient or update, update skipped "
                                    f"({bad_in_a_row} in a row)", file=sys.stderr)
                     if bad_in_a_row >= cfg.max_bad_steps:
+                        updates = "update" if bad_in_a_row == 1 else "updates"
+                        again = ("resume (--resume)" if self.checkpoints.last_saved is not None else
+                                 "run again without --resume (the run starts over)")
                         raise TrainingError(
-                            f"{bad_in_a_row} non-finite updates in a row at step {step + 1}; stopping. "
-                            f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and resume")
+                            f"{bad_in_a_row} non-finite {updates} in a row at step {step + 1}; stopping. "
+                            f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and {again}")
                 else:
                     bad_in_a_row = 0
                 metrics["skipped_updates"] = skipped

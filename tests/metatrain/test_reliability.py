@@ -52,6 +52,18 @@ def test_non_finite_stop_waits_for_the_checkpoint_it_names(tmp_path):
     assert int(saved_state(workdir, 5)["step"]) == 5
 
 
+def test_a_non_finite_stop_before_any_checkpoint_says_to_run_again_not_to_resume(tmp_path, capsys):
+    """With no checkpoint saved, `--resume` is refused ("no checkpoint to resume from"): the stop's line must not
+    send the user there. A meta-learning rate of 1e9 makes the second step's update non-finite."""
+    workdir = tmp_path / "nan"
+    code, _, err = _train(["baseline=none", "meta_opt.lr=1e9", "max_bad_steps=1", "steps=4", "checkpoint_every=100",
+                           f"workdir={workdir}"], capsys)
+    assert code == 2
+    one_line_error(err, "1 non-finite update in a row", "no checkpoint was saved yet",
+                   "run again without --resume (the run starts over)")
+    assert "and resume" not in err and not checkpoints(workdir)
+
+
 # ---- 2. the guard covers the updated state; meta-optimizer settings are checked ------------------------
 def _tiny_maml_program():
     from metatrain import config as config_lib
