@@ -73,7 +73,8 @@ class Checkpoint:
         a dir that is missing or has none is a one-line DataError."""
         workdir = paths.local(workdir)
         if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
-            raise DataError(f"{workdir}: no such directory; give a metatrain work dir (a run's `workdir=`)")
+            what = "a file, not a directory" if os.path.exists(workdir) else "no such directory"
+            raise DataError(f"{workdir}: {what}; give a metatrain work dir (a run's `workdir=`)")
         steps = workdir_lib.checkpoint_steps(workdir)
         if not steps:
             raise DataError(f"{workdir} is not a metatrain run: " + _what_else(workdir))
@@ -202,6 +203,8 @@ class Run:
     def restored(self, key: str):
         """One entry of the saved state on one device, in the structure the run's program gives it (`shapes`): what
         the task's functions take (`run.task.scores(run.restored("meta"), batch)`)."""
+        if key not in self.saved:  # the one-line error of `part`, before the shapes are built
+            return self.part(key)
         return self.part(key, on_one_device(self.shapes[key]))
 
     def tokenizer(self):

@@ -30,11 +30,17 @@ def test_a_run_hands_out_its_config_step_and_saved_state(shared_run, monkeypatch
     meta = run.restored("meta")
     assert jax.tree.structure(meta) == jax.tree.structure(run.shapes["meta"])
     assert list(jax.tree.leaves(meta)[0].devices()) == [jax.local_devices()[0]]
+    for get in (run.part, run.restored):  # an entry the checkpoint lacks: named with those it has (not a KeyError)
+        with pytest.raises(DataError, match=r"has no 'meta_model' entry \(it has \['base', 'inner', 'meta'"):
+            get("meta_model")
 
 
 def test_opening_what_is_not_a_run_is_one_line(shared_run, tmp_path):
     with pytest.raises(DataError, match="no such directory"):
         Run.open(str(tmp_path / "missing"))
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(DataError, match="notes.txt: a file, not a directory; give a metatrain work dir"):
+        Run.open(str(tmp_path / "notes.txt"))
     with pytest.raises(DataError, match="has no checkpoint"):
         Run.open(str(tmp_path))
     for names, says in ((["config.json", "model.safetensors"], f"holds a Hugging Face model (config.json, "
