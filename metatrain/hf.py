@@ -32,8 +32,19 @@ _ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "inter
 def read_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)")
+        raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)"
+                        + _metatrain_dir(directory))
     return read_json(path, "Hugging Face config.json")
+
+
+def _metatrain_dir(directory: str) -> str:
+    """What to do instead where `directory` is a metatrain export or run (the end of an error line), else ""."""
+    has = lambda name: os.path.exists(os.path.join(directory, name))
+    what = "an export" if has("export.json") else "a run" if has("config.yaml") or has("checkpoints") else None
+    if what is None:
+        return ""
+    return (f"; {directory} is {what} of metatrain: give it without hf: (`metatrain generate`, inner.init_from), or "
+            f"write a Hugging Face model dir from its run with `metatrain export RUN --format hf --out DIR`")
 
 
 def _field(hf: dict, key: str, where: str, kind=int, default=None):

@@ -174,3 +174,24 @@ def test_a_full_disk_while_writing_is_one_line(monkeypatch, capsys):
     one_line_error(capsys.readouterr().err, "metatrain train: error: writing runs/x/metrics.jsonl failed",
                    "make room there and run again (with --resume to continue the run from its last checkpoint, "
                    "if it saved one)")
+
+
+def test_a_metatrain_run_or_export_given_as_hf_says_to_drop_the_prefix(shared_run, tmp_path, capsys):
+    """hf:DIR on a metatrain run or export dir said only that config.json was not found."""
+    from metatrain import hf
+    from metatrain.errors import DataError
+
+    run, export = shared_run["workdir"], tmp_path / "export"
+    export.mkdir()
+    (export / "export.json").write_text("{}")  # what tells an export dir (`metatrain export` writes it)
+    for folder, what in ((run, "a run"), (export, "an export")):
+        says = [f"{folder}/config.json not found", f"{folder} is {what} of metatrain: give it without hf:",
+                "metatrain export RUN --format hf --out DIR"]
+        assert cli.main(["generate", f"hf:{folder}", "--prompt", "hi"]) == 2
+        one_line_error(capsys.readouterr().err, *says)
+        with pytest.raises(DataError) as e:
+            hf.load(str(folder))
+        assert all(s in str(e.value) for s in says), e.value
+    with pytest.raises(DataError) as e:  # any other folder: as before
+        hf.load(str(tmp_path))
+    assert str(e.value).endswith("give a local Hugging Face model dir (config.json + model.safetensors)")
