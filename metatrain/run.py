@@ -53,6 +53,9 @@ def _what_else(workdir: str) -> str:
     if has("config.json") and has("model.safetensors"):
         return (f"it holds a Hugging Face model (config.json, model.safetensors); give it as hf:{workdir} to "
                 f"`metatrain generate` or inner.init_from")
+    if has("export.json"):
+        return ("it holds a model exported by `metatrain export` (export.json), not a run; give the run it came from "
+                "(`metatrain generate` and inner.init_from take the export itself)")
     if has("adapter_config.json"):
         return ("it holds LoRA adapters (adapter_config.json); give the run they came from, or its merged model "
                 "(metatrain export RUN --format hf --out DIR, then hf:DIR)")

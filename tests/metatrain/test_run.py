@@ -44,9 +44,10 @@ def test_opening_what_is_not_a_run_is_one_line(shared_run, tmp_path):
     with pytest.raises(DataError, match="has no checkpoint"):
         Run.open(str(tmp_path))
     for names, says in ((["config.json", "model.safetensors"], f"holds a Hugging Face model (config.json, "
-                         f"model.safetensors); give it as hf:{tmp_path / 'hf'} to `metatrain generate`"),
-                        (["adapter_config.json", "adapter_model.safetensors"], "holds LoRA adapters")):
-        folder = tmp_path / ("hf" if "config.json" in names else "adapters")  # as `export --format hf` writes them
+                         f"model.safetensors); give it as hf:{tmp_path / 'config'} to `metatrain generate`"),
+                        (["adapter_config.json", "adapter_model.safetensors"], "holds LoRA adapters"),
+                        (["export.json"], "holds a model exported by `metatrain export` (export.json), not a run")):
+        folder = tmp_path / names[0].split(".")[0]  # as `export --format hf` (or `export`) writes them
         folder.mkdir()
         for name in names:
             (folder / name).write_text("{}")
