@@ -24,7 +24,7 @@ from metatrain.bench.variants import Variant, build_task, variants
 from metatrain.config import PopulationConfig
 from metatrain.data.pipeline import DataConfig
 from metatrain.errors import ConfigError
-from metatrain.mixflow import MODES
+from metatrain.mixflow import MODES, mode_name
 from metatrain.models import LoRAConfig, ModelConfig
 from metatrain.step import random_batches
 from metatrain.tasks import validate
@@ -68,6 +68,7 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     inner_steps). With `members` > 1, a population's (`population.run_members`, reduce=grad): also against the mean
     of its members' meta-gradients, each computed alone with the same variant (`members_err`, within
     `tol_members`)."""
+    modes = tuple(mode_name(m, "--modes {}") for m in modes)
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ConfigError(f"--modes: unknown mode(s) {sorted(unknown)}; choose from {MODES}")

@@ -22,14 +22,14 @@ from omegaconf.errors import OmegaConfBaseException
 from metatrain import paths
 from metatrain.data.pipeline import DataConfig
 from metatrain.data.tokenizer import HF_PREFIX
-from metatrain.errors import ConfigError, TaskError
-from metatrain.mixflow import MODES
+from metatrain.errors import ConfigError, TaskError, renamed
+from metatrain.mixflow import MODES, RENAMED_MODES, mode_name
 from metatrain.models import LoRAConfig, ModelConfig, preset
 from metatrain.tasks import task_class
 from metatrain.unroll import KEPT_STATES, NARROW_NEEDS_SAVE
 
 USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
-# keys of earlier versions, refused with their new names
+# keys by their names before a rename: still read (in overrides, preset and saved YAML files), with a RenamedWarning
 RENAMED = {"mode": "metagrad.mode", "save_inner_grads": "metagrad.save_inner_grads",
            "inner_checkpoint": "metagrad.kept_states", "checkpoint_dtype": "metagrad.state_dtype",
            "checkpoint_offload": "metagrad.offload_states", "inner_unroll": "metagrad.unroll",
@@ -178,7 +178,9 @@ def validate(cfg: Config, local_files: bool = True) -> Config:
     """`cfg`'s values checked (ConfigError: one line naming the key); `local_files=False` leaves out what needs the
     files it names (the work dir, `init_from` checkpoints), for a run that starts on another machine."""
     g = cfg.metagrad
-    _check(g.mode != "default", "metagrad.mode", "'default' is now called autodiff (reverse-over-reverse)")
+    if g.mode in RENAMED_MODES:  # a Config built in Python (overrides and YAML files are read under the new names)
+        g = dataclasses.replace(g, mode=mode_name(g.mode, stacklevel=3))
+        cfg = dataclasses.replace(cfg, metagrad=g)
     _check(g.mode in MODES + (AUTO,), "metagrad.mode", f"{g.mode!r} is not one of {MODES + (AUTO,)}")
     _check(g.kept_states in KEPT_STATES + (AUTO,), "metagrad.kept_states",
            f"{g.kept_states!r} is not one of {KEPT_STATES + (AUTO,)}")
@@ -400,10 +402,40 @@ def _keys(node, prefix: str = "", groups: bool = True) -> list[str]:
     return out
 
 
-def _refuse_renamed(keys, where: str = "") -> None:
-    for key in keys:
+_ABSENT = object()
+
+
+def _upgrade_yaml(node, where: str) -> None:
+    """A preset or saved YAML file's renamed keys (`RENAMED`) and `metagrad.mode` value (`RENAMED_MODES`) moved to
+    their new names in place, each with a RenamedWarning."""
+    for old, new in RENAMED.items():
+        value = OmegaConf.select(node, old, default=_ABSENT)
+        if value is _ABSENT:
+            continue
+        renamed(f"{old} (in {where})", new, stacklevel=4)
+        parent, _, leaf = old.rpartition(".")
+        del (OmegaConf.select(node, parent) if parent else node)[leaf]
+        OmegaConf.update(node, new, value, force_add=True)
+    mode = OmegaConf.select(node, "metagrad.mode", default=None)
+    if isinstance(mode, str) and mode in RENAMED_MODES:
+        renamed(f"metagrad.mode: {mode} (in {where})", f"metagrad.mode: {RENAMED_MODES[mode]}", stacklevel=4)
+        OmegaConf.update(node, "metagrad.mode", RENAMED_MODES[mode])
+
+
+def _upgrade_overrides(overrides) -> list[str]:
+    """`key=value` overrides with renamed keys (`RENAMED`) and `metagrad.mode` values (`RENAMED_MODES`) under their
+    new names, each with a RenamedWarning."""
+    out = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.strip()
         if key in RENAMED:
-            raise ConfigError(f"{key}: renamed to {RENAMED[key]}{where}; write {RENAMED[key]}=... instead")
+            renamed(key, RENAMED[key], stacklevel=4)
+            key = RENAMED[key]
+        if key == "metagrad.mode" and value.strip() in RENAMED_MODES:
+            value = mode_name(value.strip(), "metagrad.mode={}", stacklevel=5)
+        out.append(f"{key}={value}")
+    return out
 
 
 def override_key(override: str) -> str:
@@ -450,7 +482,7 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
         merged = OmegaConf.structured(Config)
         if preset:
             preset_cfg = _preset_config(preset)
-            _refuse_renamed(_keys(preset_cfg), f" in {preset}")
+            _upgrade_yaml(preset_cfg, preset)
             _refuse_groups(_keys(preset_cfg, groups=False), f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             try:
@@ -464,7 +496,7 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
         if bad:
             hint = " (a preset goes first, before the overrides)" if "=" not in bad[0] else ""
             raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100{hint}")
-        _refuse_renamed([override_key(o) for o in overrides])
+        overrides = _upgrade_overrides(overrides)
         _refuse_groups([override_key(o) for o in overrides])
         merged = OmegaConf.merge(merged, _dotlist(overrides))
         cfg = OmegaConf.to_object(merged)

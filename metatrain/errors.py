@@ -7,6 +7,8 @@ is a bug, ours or a library's, and keeps its traceback.
 
 from __future__ import annotations
 
+import warnings
+
 
 class MetatrainError(Exception):
     """A problem with the user's input or run; the message is one line that says what to change."""
@@ -26,3 +28,21 @@ class DataError(MetatrainError, ValueError):
 
 class TrainingError(MetatrainError, RuntimeError):
     """A run that cannot go on (or cannot start here); the message says why and what is intact."""
+
+
+class RenamedWarning(DeprecationWarning):
+    """A name metatrain had before a rename (a config key or value, a flag, a variant token, an argument): it still
+    works, for at least one release after the rename, and the warning names the new one. The `metatrain` command
+    prints it as one line."""
+
+
+def renamed(old: str, new: str, stacklevel: int = 2) -> None:
+    """Warn (`RenamedWarning`) that `old` is now `new`.
+
+    Args:
+      old: the old name, as given (e.g. `mode=default`).
+      new: what to write instead.
+      stacklevel: as `warnings.warn`'s, counted from the caller of this function.
+    """
+    warnings.warn(f"{old} is now {new}; the old name still works in this release and will be removed in a later one",
+                  RenamedWarning, stacklevel=stacklevel + 1)

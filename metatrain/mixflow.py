@@ -27,10 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, renamed
 from metatrain.models import dense, grad_seed
 
 MODES = ("autodiff", "mixflow", "revfwd")
+RENAMED_MODES = {"default": "autodiff"}  # modes by their names before a rename: still taken, with a warning
+
+
+def mode_name(mode: str, spelled: str = "metagrad.mode={}", stacklevel: int = 3) -> str:
+    """`mode` as named now: a renamed mode (`RENAMED_MODES`) gives its new name, with a `RenamedWarning` naming both
+    as `spelled` spells a mode (`spelled.format(name)`); any other name is returned as it is (checked by the
+    caller). `stacklevel`: as `errors.renamed`'s, counted from the caller of this function."""
+    if mode in RENAMED_MODES:
+        renamed(spelled.format(mode), spelled.format(RENAMED_MODES[mode]), stacklevel=stacklevel)
+        return RENAMED_MODES[mode]
+    return mode
 
 
 def _is_float(x) -> bool:
@@ -74,6 +85,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
                    frozen_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
     """`loss_fn(params, *inputs) -> scalar` → `f(params, *inputs) -> (loss, grad wrt params)`. `frozen_argnums`:
     positions in `inputs` that get no cotangent (never differentiated)."""
+    mode = mode_name(mode, "mode='{}'")
     if mode not in MODES:
         raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
     plain = jax.value_and_grad(loss_fn)
@@ -110,6 +122,7 @@ def backward(loss_fn: Callable[..., jax.Array], mode: str = "mixflow",
     have already, returned added to d_params; under `mixflow` a block stack adds its HVP into it in place.
     `value_and_grad`'s custom VJP is this; a caller holding the primal gradient already (e.g. a saved inner
     gradient) calls it directly."""
+    mode = mode_name(mode, "mode='{}'")
     if mode not in MODES:
         raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {mode!r}; choose one of {MODES}")
 

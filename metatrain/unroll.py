@@ -12,6 +12,7 @@ backward pass and the meta-gradient stay in the compute dtype and on the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from metatrain import mixflow, two_steps
 from metatrain import plan as plan_lib
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, renamed
 from metatrain.tasks import Task
 
 INNER_GRADS = "inner_grads"
@@ -63,6 +64,7 @@ class MetaGradMethod:
         return not self.offload_states
 
     def __post_init__(self):
+        object.__setattr__(self, "mode", mixflow.mode_name(self.mode, "MetaGradMethod(mode='{}')", stacklevel=5))
         if self.mode not in mixflow.MODES:
             raise ConfigError(f"metagrad.mode: unknown meta-gradient mode {self.mode!r}; choose one of {mixflow.MODES}")
         if self.kept_states not in KEPT_STATES:
@@ -73,6 +75,37 @@ class MetaGradMethod:
                               "bfloat16, or leave it empty to store the kept inner states as computed")
         if self.state_dtype and jnp.finfo(self.state_dtype).bits < 32 and not self.save_inner_grads:
             raise ConfigError(NARROW_NEEDS_SAVE)
+
+
+# MetaGradMethod's arguments by their names before a rename: still taken (and read), with a RenamedWarning
+RENAMED_FIELDS = {"inner_checkpoint": "kept_states", "checkpoint_dtype": "state_dtype",
+                  "checkpoint_offload": "offload_states"}
+_init = MetaGradMethod.__init__
+
+
+@functools.wraps(_init)
+def _init_renamed(self, *args, **kwargs):
+    for old, new in RENAMED_FIELDS.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise TypeError(f"MetaGradMethod: give {new} only ({old} is its old name)")
+            renamed(f"MetaGradMethod({old}=...)", f"MetaGradMethod({new}=...)")
+            kwargs[new] = kwargs.pop(old)
+    _init(self, *args, **kwargs)
+
+
+MetaGradMethod.__init__ = _init_renamed
+
+
+def _old_field(old: str, new: str) -> property:
+    def get(self):
+        renamed(f"MetaGradMethod.{old}", f"MetaGradMethod.{new}")
+        return getattr(self, new)
+    return property(get, doc=f"The old name of `{new}`.")
+
+
+for _old, _new in RENAMED_FIELDS.items():
+    setattr(MetaGradMethod, _old, _old_field(_old, _new))
 
 
 # An inner gradient recomputed from rounded parameters is not the one the inner update used, and the inner Adam

@@ -18,7 +18,7 @@ import itertools
 
 from metatrain import config as config_lib
 from metatrain.config import Config, MetaGradConfig
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, renamed
 from metatrain.mixflow import MODES
 from metatrain.models import LoRAConfig, ModelConfig
 from metatrain.tasks import Task, make_task
@@ -93,10 +93,14 @@ def variants(modes=MODES, kept_states: str = "every_step") -> list[Variant]:
 def parse_variant(name: str, kept_states: str = "every_step") -> Variant:
     """A variant by name; a schedule in the name wins over `kept_states`, model options apply over the
     model the variant is run on. Options may come in any order; `.name` gives them in the canonical one."""
-    mode, *opts = name.strip().split("+")
+    tokens = name.strip().split("+")
+    if any(t in OLD_TOKENS for t in tokens):  # a name of an earlier version: read under today's, with a warning
+        now = "+".join(OLD_TOKENS.get(t, t) for t in tokens)
+        renamed(f"variant {name.strip()}", now)
+        tokens = now.split("+")
+    mode, *opts = tokens
     if mode not in MODES:
-        renamed = " (default is now called autodiff)" if mode == "default" else ""
-        raise ConfigError(f"variant {name!r}: unknown mode {mode!r}{renamed} ({' | '.join(MODES)}); use {FORM}")
+        raise ConfigError(f"variant {name!r}: unknown mode {mode!r} ({' | '.join(MODES)}); use {FORM}")
     unknown = set(opts) - {"remat", "save", BF16_STATE, OFFLOAD_STATES, OFFLOAD_MOMENTS, OFFLOAD_PARAMS, UNROLL,
                            *SCHEDULES, *MODEL_OPTIONS}
     if unknown:
@@ -113,7 +117,7 @@ def parse_variant(name: str, kept_states: str = "every_step") -> Variant:
                    OFFLOAD_MOMENTS in opts, OFFLOAD_PARAMS in opts)
 
 
-# names rows of earlier versions carry: variant tokens and row keys
+# names of earlier versions: variant tokens (in rows and in names given, read with a RenamedWarning) and row keys
 OLD_TOKENS = {"default": "autodiff", "offload": OFFLOAD_STATES, "offload_opt": OFFLOAD_MOMENTS}
 OLD_KEYS = {"inner_checkpoint": "kept_states", "checkpoint_dtype": "state_dtype",
             "checkpoint_offload": "offload_states", "meta_opt_offload": "offload_moments",

@@ -11,15 +11,17 @@ the signal's number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from metatrain import collector, platforms
-from metatrain.errors import MetatrainError
+from metatrain.errors import MetatrainError, RenamedWarning
 
 with collector.paused():  # importing the commands' libraries (JAX, Flax, Orbax, ...) leaves nothing to collect
     from metatrain.cli import bench, check, data, experiment, generate, run
@@ -152,12 +154,39 @@ def _out_of_room(error: BaseException, command: str = "") -> str | None:
             f"memory` compares the settings that need less)")
 
 
+@contextlib.contextmanager
+def _renames_said():
+    """Inside, each `RenamedWarning` (an old name given: a key, a flag, a variant) is one line on stderr,
+    `metatrain COMMAND: warning: ...`, once per message; other warnings are shown as Python shows them. Yields a
+    one-item list: the start of those lines, the command's name once it is known."""
+    prefix, said = ["metatrain"], set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", RenamedWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not issubclass(category, RenamedWarning):
+                return shown(message, category, filename, lineno, file, line)
+            if str(message) not in said:
+                said.add(str(message))
+                print(f"{prefix[0]}: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = show
+        yield prefix
+
+
 def main(argv=None) -> int:
+    with _renames_said() as prefix:
+        return _main(argv, prefix)
+
+
+def _main(argv, prefix: list[str]) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage (the top-level one said "metatrain: error:")
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     name = getattr(args, "command_name", args.command)  # `bench memory`, as argparse's own errors name it
+    prefix[0] = f"metatrain {name}"
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if handled:

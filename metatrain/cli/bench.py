@@ -7,7 +7,7 @@ import os
 from metatrain import argtypes, paths
 from metatrain.cli import common
 from metatrain.errors import ConfigError
-from metatrain.mixflow import MODES
+from metatrain.mixflow import MODES, mode_name
 
 LADDER_DEFAULT = "44m,140m,489m,1b"
 TASKS_DEFAULT = "maml,learned_lr,loss_weighting"
@@ -283,7 +283,7 @@ def register(sub) -> None:
     common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2)
     p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4, h100, h200:8 (default: this "
                                                     "machine's devices)")
-    p.add_argument("--mode", default="mixflow", choices=MODES)
+    p.add_argument("--mode", default="mixflow", choices=MODES, type=lambda m: mode_name(m, "--mode {}"))
     p.add_argument("--fsdp", type=argtypes.mesh_size, default=-1,
                    help="fsdp mesh axis size (-1 = all devices); data = the rest")
     p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")

@@ -10,6 +10,7 @@ import sys
 from tqdm import tqdm
 
 from metatrain.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_ints  # noqa: F401 (the commands' types)
+from metatrain.errors import renamed
 from metatrain.models import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS
 from metatrain.tasks import BUILTIN
 from metatrain.unroll import KEPT_STATES
@@ -92,6 +93,8 @@ def add_model_option_args(p: argparse.ArgumentParser) -> None:
                    help="the blocks as straight-line code, not a loop (model.scan_layers=false, as the main job)")
     p.add_argument("--kept-states", choices=KEPT_STATES, default="every_step",
                    help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
+    p.add_argument("--inner-checkpoint", dest="kept_states", choices=KEPT_STATES, help=argparse.SUPPRESS,
+                   type=lambda v: renamed("--inner-checkpoint", "--kept-states") or v)  # its name until a rename
 
 
 def model_options(args) -> dict:
