@@ -283,8 +283,14 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("filter of a text dir", ["filter", run, "--data", "dir:.", "--out", "o", "--drop", "0.3"],
                      "jsonl:PATH_OR_GLOB"))
     out.append(Probe("filter of an export dir", ["filter", exp, "--data", f"jsonl:{docs}", "--out", "o", "--drop",
-                                                 "0.3"], "no checkpoint"))
-    out.append(Probe("eval of an export dir", ["eval", exp], "no checkpoint"))
+                                                 "0.3"], "exported by `metatrain export` (export.json), not a run"))
+    out.append(Probe("eval of an export dir", ["eval", exp], "exported by `metatrain export` (export.json), not a run"))
+    out.append(Probe("eval of a file", ["eval", "afile"], "afile: a file, not a directory", setup=afile,
+                     user_files=("afile",)))
+    out.append(Probe("generate from hf: of a run", ["generate", f"hf:{run}", "--prompt", "hi"],
+                     "is a run of metatrain: give it without hf:"))
+    out.append(Probe("a key by its old name", train("mode=default"), None,
+                     check=lambda d, o: (d / "w" / "checkpoints").is_dir()))
     out.append(Probe("plot into a missing folder", ["plot", run, "--out", "new/p.png"], None,
                      check=lambda d, o: (d / "new" / "p.png").stat().st_size > 0))
     out.append(Probe("plot into a dir", ["plot", run, "--out", "adir"], None, setup=lambda d: (d / "adir").mkdir(),
