@@ -505,7 +505,11 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         why = str(e).splitlines()[0]
-        if "Cannot convert 'DictConfig'" in why or "Cannot convert 'ListConfig'" in why:  # e.g. data.source=jsonl:
+        given = next((o.partition("=")[2].strip() for o in reversed(overrides) if override_key(o) == key), "")
+        kind = given.partition(":")[0] + ":"
+        if key in ("data.source", "data.outer_source", "data.eval_source") and given == kind and kind in USER_SOURCES:
+            why = f"{given!r} names no path; write {kind}PATH"  # YAML reads `jsonl:` as a mapping (as DataConfig says)
+        elif "Cannot convert 'DictConfig'" in why or "Cannot convert 'ListConfig'" in why:
             why = "the value reads as YAML structure (a 'name: value' pair or a list), not text; quote or complete it"
         elif why.startswith("Incompatible value 'None'"):  # `workdir=`: OmegaConf reads an empty value as null
             why = f"no value after '='; give one, e.g. {key}=..." if key else "a setting is empty; give it a value"

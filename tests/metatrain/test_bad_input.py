@@ -23,6 +23,9 @@ def _write_jsonl(path, texts):
     (["meta_model.n_heads=3"], ["meta_model.d_model=16 is not divisible by meta_model.n_heads=3"]),
     # a chat template for plain text (here not even a file) was read by nothing
     (["data.chat_template=tpl.jinja"], ["data.chat_template: the records of data.source=builtin are plain text"]),
+    # a kind without its path (an empty shell variable after it): YAML reads `jsonl:` as a mapping
+    (["data.source=jsonl:"], ["data.source: 'jsonl:' names no path; write jsonl:PATH"]),
+    (["data.eval_source=hf-disk:"], ["data.eval_source: 'hf-disk:' names no path; write hf-disk:PATH"]),
 ])
 def test_settings_that_cannot_apply_are_refused(extra, needles, tmp_path, capsys):
     code = cli.main(["train", *TINY, *extra, f"workdir={tmp_path / 'run'}"])
