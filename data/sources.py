@@ -71,6 +71,8 @@ class Builtin(FileDocuments, Indexed):
 
 
 def _files(kind: str, pattern: str) -> list[str]:
+    if not pattern.strip():
+        raise DataError(f"data source '{kind}:' names no path; write {kind}:PATH")
     pattern = os.path.expanduser(pattern)
     files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
     files = [f for f in files if os.path.isfile(f)]
@@ -326,6 +328,8 @@ def open_source(spec: str, *, split: str = "train", data_dir: str | None = None,
     """
     fields = Fields(format, text_field, messages_field)
     kind, _, rest = spec.partition(":")
+    if kind in ("jsonl", "parquet", "hf-disk", "dir") and not rest.strip():
+        raise DataError(f"data source '{kind}:' names no path; write {kind}:PATH")
     if kind == "jsonl":
         return JsonLines(rest, fields, id_field)
     if kind == "parquet":

@@ -201,3 +201,10 @@ def test_the_default_presets_corruption_never_touches_the_users_documents(tmp_pa
     assert config_lib.load("default", [f"data.source=jsonl:{path}"]).data.corrupt_fraction == 0.0
     given = config_lib.load("default", [f"data.source=jsonl:{path}", "data.corrupt_fraction=0.2"])
     assert given.data.corrupt_fraction == 0.2
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "dir", "hf-disk"])
+def test_a_kind_without_its_path_is_one_line(kind):
+    """`jsonl:` alone (an empty shell variable after the kind) said "'' is not a file" under "data source jsonl::"."""
+    with pytest.raises(DataError, match=f"^data source '{kind}:' names no path; write {kind}:PATH$"):
+        open_source(f"{kind}:")

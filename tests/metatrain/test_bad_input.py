@@ -198,3 +198,11 @@ def test_a_metatrain_run_or_export_given_as_hf_says_to_drop_the_prefix(shared_ru
     with pytest.raises(DataError) as e:  # any other folder: as before
         hf.load(str(tmp_path))
     assert str(e.value).endswith("give a local Hugging Face model dir (config.json + model.safetensors)")
+
+
+def test_a_data_flag_without_its_path_is_one_line(shared_run, tmp_path, capsys):
+    for argv in (["eval", str(shared_run["workdir"]), "--data", "jsonl:"],
+                 ["scores", str(shared_run["workdir"]), "--data", "parquet:", "--out", str(tmp_path / "s.jsonl")]):
+        assert cli.main(argv) == 2
+        kind = argv[3]
+        one_line_error(capsys.readouterr().err, f"data source '{kind}' names no path; write {kind}PATH")
