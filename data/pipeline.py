@@ -28,13 +28,16 @@ import numpy as np
 
 from metatrain.data.formats import FORMATS, TRAIN_ON, Encoder, Fields
 from metatrain.data.shuffle import EpochShuffleMapDataset
-from metatrain.data.sources import Tfds, open_source
+from metatrain.data.sources import Tfds, missing_path, open_source
 from metatrain.data.tokenizer import DEFAULT_ENCODING, Tokenizer, load_tokenizer
 from metatrain.errors import ConfigError, DataError
 
 SEQ_FEATURES = ("tokens", "loss_mask", "corrupted", "doc")
 DEVICE_FEATURES = ("tokens", "segment_ids", "positions", "corrupted")  # what the outer step reads; not `doc`
 MASKED = ("chat", "prompt_completion")  # formats whose loss mask is not all ones: the step reads `loss_mask` too
+
+
+SOURCE_FIELDS = ("source", "outer_source", "eval_source")  # DataConfig's fields naming a source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +79,9 @@ class DataConfig:
             raise ConfigError(f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
         if not 0.0 <= self.corrupt_fraction < 1.0:
             raise ConfigError(f"data.corrupt_fraction must be in [0, 1), got {self.corrupt_fraction}")
-        for name in ("source", "outer_source", "eval_source"):
-            spec = getattr(self, name)
-            kind = spec.partition(":")[0] + ":"
-            if kind in ("jsonl:", "parquet:", "dir:", "hf-disk:") and not spec[len(kind):].strip():
-                raise ConfigError(f"data.{name}: {spec!r} names no path; write {kind}PATH")
+        for name in SOURCE_FIELDS:
+            if why := missing_path(getattr(self, name)):
+                raise ConfigError(f"data.{name}: {why}")
 
 
 def device_features(cfg: DataConfig) -> tuple[str, ...]:

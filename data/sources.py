@@ -70,9 +70,21 @@ class Builtin(FileDocuments, Indexed):
     pass
 
 
+PATH_KINDS = ("jsonl", "parquet", "dir", "hf-disk")  # the kinds of source that name a path after `kind:`
+
+
+def missing_path(spec: str) -> str | None:
+    """Why `spec` cannot be read where it is a kind that names a path (`jsonl:`, ...) without one (as an empty shell
+    variable after the kind leaves it), else None: the end of an error line."""
+    kind, colon, rest = spec.strip().partition(":")
+    if kind in PATH_KINDS and colon and not rest.strip():
+        return f"'{kind}:' names no path; write {kind}:PATH"
+    return None
+
+
 def _files(kind: str, pattern: str) -> list[str]:
-    if not pattern.strip():
-        raise DataError(f"data source '{kind}:' names no path; write {kind}:PATH")
+    if why := missing_path(f"{kind}:{pattern}"):
+        raise DataError(f"data source {why}")
     pattern = os.path.expanduser(pattern)
     files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
     files = [f for f in files if os.path.isfile(f)]
@@ -328,8 +340,8 @@ def open_source(spec: str, *, split: str = "train", data_dir: str | None = None,
     """
     fields = Fields(format, text_field, messages_field)
     kind, _, rest = spec.partition(":")
-    if kind in ("jsonl", "parquet", "hf-disk", "dir") and not rest.strip():
-        raise DataError(f"data source '{kind}:' names no path; write {kind}:PATH")
+    if why := missing_path(spec):
+        raise DataError(f"data source {why}")
     if kind == "jsonl":
         return JsonLines(rest, fields, id_field)
     if kind == "parquet":

@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from metatrain import paths
-from metatrain.data.pipeline import DataConfig
+from metatrain.data.pipeline import SOURCE_FIELDS, DataConfig
+from metatrain.data.sources import missing_path
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, TaskError, renamed
 from metatrain.mixflow import MODES, RENAMED_MODES, mode_name
@@ -505,10 +506,9 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         why = str(e).splitlines()[0]
-        given = next((o.partition("=")[2].strip() for o in reversed(overrides) if override_key(o) == key), "")
-        kind = given.partition(":")[0] + ":"
-        if key in ("data.source", "data.outer_source", "data.eval_source") and given == kind and kind in USER_SOURCES:
-            why = f"{given!r} names no path; write {kind}PATH"  # YAML reads `jsonl:` as a mapping (as DataConfig says)
+        given = next((o.partition("=")[2] for o in reversed(overrides) if override_key(o) == key), "")
+        if key in [f"data.{name}" for name in SOURCE_FIELDS] and missing_path(given):  # YAML reads `jsonl:` as a
+            why = missing_path(given)  # mapping; the line DataConfig gives the text 'jsonl:'
         elif "Cannot convert 'DictConfig'" in why or "Cannot convert 'ListConfig'" in why:
             why = "the value reads as YAML structure (a 'name: value' pair or a list), not text; quote or complete it"
         elif why.startswith("Incompatible value 'None'"):  # `workdir=`: OmegaConf reads an empty value as null
