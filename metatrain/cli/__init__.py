@@ -180,8 +180,23 @@ def main(argv=None) -> int:
         return _main(argv, prefix)
 
 
+def _named(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """The command `argv` names (`train`, `bench memory`), read before parsing: what an old name's warning line
+    starts with while the flags are parsed."""
+    words = []
+    for token in argv:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None:
+            break
+        if token in sub.choices:
+            words.append(token)
+            parser = sub.choices[token]
+    return " ".join(["metatrain", *words])
+
+
 def _main(argv, prefix: list[str]) -> int:
     parser = build_parser()
+    prefix[0] = _named(parser, sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage (the top-level one said "metatrain: error:")
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -94,6 +94,13 @@ def test_the_command_says_each_old_name_as_one_warning_line(tmp_path, capsys):
     code = cli.main(["check-grads", "--task", "maml", "--inner-checkpoint", "sqrt", "--modes", "default",
                      "--variants", "default+remat+bf16"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[0].startswith("metatrain: warning: --inner-checkpoint is now --kept-states;"), err
+    assert code == 2, err
+    assert err[0].startswith("metatrain check-grads: warning: --inner-checkpoint is now --kept-states;"), err
     assert err[1].startswith("metatrain check-grads: warning: variant default+remat+bf16 is now autodiff+remat+bf16;")
     assert err[-1].startswith("metatrain check-grads: error: --variants: check-grads runs in float64"), err
+    # a flag's old name is said while the flags are parsed: named by the command all the same, nested ones in full
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "memory", "--inner-checkpoint", "sqrt", "--batch", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("metatrain bench memory: warning: --inner-checkpoint is now --kept-states;"), err
+    assert err[-1].startswith("metatrain bench memory: error: argument --batch: must be >= 1"), err
