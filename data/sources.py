@@ -70,14 +70,14 @@ class Builtin(FileDocuments, Indexed):
     pass
 
 
-PATH_KINDS = ("jsonl", "parquet", "dir", "hf-disk")  # the kinds of source that name a path after `kind:`
+PATH_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")  # the kinds of source that name a path after them
 
 
 def missing_path(spec: str) -> str | None:
     """Why `spec` cannot be read where it is a kind that names a path (`jsonl:`, ...) without one (as an empty shell
     variable after the kind leaves it), else None: the end of an error line."""
     kind, colon, rest = spec.strip().partition(":")
-    if kind in PATH_KINDS and colon and not rest.strip():
+    if kind + colon in PATH_SOURCES and not rest.strip():
         return f"'{kind}:' names no path; write {kind}:PATH"
     return None
 

@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from metatrain import paths
 from metatrain.data.pipeline import SOURCE_FIELDS, DataConfig
-from metatrain.data.sources import missing_path
+from metatrain.data.sources import PATH_SOURCES, missing_path
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, TaskError, renamed
 from metatrain.mixflow import MODES, RENAMED_MODES, mode_name
@@ -29,7 +29,6 @@ from metatrain.models import LoRAConfig, ModelConfig, preset
 from metatrain.tasks import task_class
 from metatrain.unroll import KEPT_STATES, NARROW_NEEDS_SAVE
 
-USER_SOURCES = ("jsonl:", "parquet:", "dir:", "hf-disk:")
 # keys by their names before a rename: still read (in overrides, preset and saved YAML files), with a RenamedWarning
 RENAMED = {"mode": "metagrad.mode", "save_inner_grads": "metagrad.save_inner_grads",
            "inner_checkpoint": "metagrad.kept_states", "checkpoint_dtype": "metagrad.state_dtype",
@@ -450,7 +449,7 @@ def load(preset: str | None = None, overrides: list[str] = (), pretrained: bool 
     cfg, tokenizer_given = _merged(preset, overrides)
     cfg = local_paths(cfg)
     given = {override_key(o) for o in overrides}
-    if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(USER_SOURCES):
+    if preset == "default" and "data.corrupt_fraction" not in given and cfg.data.source.startswith(PATH_SOURCES):
         # the default preset corrupts 30% of the built-in corpus for its demonstration, never the user's documents
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corrupt_fraction=0.0))
     if not pretrained:
@@ -523,9 +522,9 @@ def local_paths(cfg: Config) -> Config:
     """`cfg` with every path it names (work dir, checkpoints to start from, data sources, tokenizer dir, TFDS data
     dir) made absolute, `~` expanded: the run reads the same files from wherever it is started."""
     d = cfg.data
-    data = dataclasses.replace(d, source=paths.prefixed(d.source, USER_SOURCES),
-                               outer_source=paths.prefixed(d.outer_source, USER_SOURCES),
-                               eval_source=paths.prefixed(d.eval_source, USER_SOURCES),
+    data = dataclasses.replace(d, source=paths.prefixed(d.source, PATH_SOURCES),
+                               outer_source=paths.prefixed(d.outer_source, PATH_SOURCES),
+                               eval_source=paths.prefixed(d.eval_source, PATH_SOURCES),
                                tokenizer=paths.prefixed(d.tokenizer, (HF_PREFIX,)), data_dir=paths.local(d.data_dir),
                                chat_template=paths.local(d.chat_template))
     return dataclasses.replace(

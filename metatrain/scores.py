@@ -24,13 +24,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from metatrain import config as config_lib
 from metatrain import export as export_lib
 from metatrain import paths, population
 from metatrain.config import Config
 from metatrain.data import records
 from metatrain.data.pipeline import document_source, encoder, fields, split_ids
 from metatrain.data.pipeline import where as where_
+from metatrain.data.sources import PATH_SOURCES
 from metatrain.errors import ConfigError, DataError, MetatrainError
 from metatrain.run import PRETRAIN, Run, on_one_device
 
@@ -172,7 +172,7 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     OUT is checked before any scoring (`paths.output`): one of the inputs, a directory, or an existing file
     without `overwrite` is refused; it is written through OUT.tmp, removed on any error or signal."""
     run = Run.open(workdir).meta_training()  # reads metadata only: the output is checked before any scoring
-    source = paths.prefixed(source, config_lib.USER_SOURCES)
+    source = paths.prefixed(source, PATH_SOURCES)
     spec = source or run.cfg.data.source
     out = paths.output(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out",
                        inputs=_inputs(run, spec), overwrite=overwrite)
@@ -251,7 +251,7 @@ def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_row
     if run.task.model is None:
         raise ConfigError(f"eval: task {cfg.task!r} of {workdir} brings its own model, not a language model; eval "
                           "measures next-token loss (the run's validation loss is in its metrics.jsonl)")
-    source = paths.prefixed(source, config_lib.USER_SOURCES)
+    source = paths.prefixed(source, PATH_SOURCES)
     if source:
         docs = document_source(cfg.data, source)
         ids = np.arange(len(docs))

@@ -11,11 +11,11 @@ from metatrain.errors import ConfigError
 
 def _data_config(args, **overrides):
     from metatrain import paths
-    from metatrain.config import USER_SOURCES
     from metatrain.data.pipeline import DataConfig
+    from metatrain.data.sources import PATH_SOURCES
 
     vocab = None if args.vocab_size == 0 else args.vocab_size
-    return DataConfig(source=paths.prefixed(args.source, USER_SOURCES), data_dir=paths.local(args.data_dir),
+    return DataConfig(source=paths.prefixed(args.source, PATH_SOURCES), data_dir=paths.local(args.data_dir),
                       split=args.split, tokenizer=args.tokenizer,
                       vocab_size=vocab, **overrides)
 
