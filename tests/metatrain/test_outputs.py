@@ -242,7 +242,7 @@ def test_sigterm_stops_a_command_like_ctrl_c():
     parser = build_parser()
     real = parser.parse_known_args
     try:
-        cli.build_parser = lambda: type("P", (), {"parse_known_args": lambda self, argv: (
+        cli.build_parser = lambda: type("P", (), {"_actions": parser._actions, "parse_known_args": lambda self, argv: (
             _with_fn(real(argv)[0], fake), [])})()
         assert cli.main(["data", "make-noisy", "--out", "x"]) == 143
     finally:
