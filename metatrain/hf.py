@@ -16,7 +16,7 @@ import numpy as np
 
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig, Transformer
-from metatrain.paths import read_json
+from metatrain.paths import folder_kind, read_json
 
 MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "llama3")
@@ -39,8 +39,7 @@ def read_config(directory: str) -> dict:
 
 def _metatrain_dir(directory: str) -> str:
     """What to do instead where `directory` is a metatrain export or run (the end of an error line), else ""."""
-    has = lambda name: os.path.exists(os.path.join(directory, name))
-    what = "an export" if has("export.json") else "a run" if has("config.yaml") or has("checkpoints") else None
+    what = {"export": "an export", "run": "a run"}.get(folder_kind(directory))
     if what is None:
         return ""
     return (f"; {directory} is {what} of metatrain: give it without hf: (`metatrain generate`, inner.init_from), or "

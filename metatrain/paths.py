@@ -251,7 +251,7 @@ def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: t
     if blocked:  # a file above it, or a folder we cannot write in
         raise ConfigError(f"{flag}: {blocked}, so {path} cannot be made; give another path")
     held = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    if {"config.yaml", "checkpoints"} & set(held):
+    if held and folder_kind(path) == "run":
         raise ConfigError(f"{flag}: {path} is a run's work dir; give a new directory (e.g. {path}/export)")
     if held and not overwrite:
         raise ConfigError(f"{flag}: {path} already exists and is not empty; give a new directory, or --overwrite "
@@ -261,6 +261,20 @@ def output_dir(path: str, flag: str, foreign, overwrite: bool = False, source: t
         raise ConfigError(f"{flag}: {path} holds files metatrain did not write ({', '.join(others[:3])}); give a "
                           "new directory")
     return path
+
+
+def folder_kind(path: str) -> str | None:
+    """What a folder holds, by the files that mark it: "export" (`metatrain export` or `import hf`: export.json),
+    "run" (a work dir: config.yaml or checkpoints/), "hf" (a Hugging Face model: config.json and its safetensors),
+    "adapters" (PEFT adapters: adapter_config.json), else None."""
+    has = lambda name: os.path.exists(os.path.join(path, name))
+    if has("export.json"):
+        return "export"
+    if has("config.yaml") or has("checkpoints"):
+        return "run"
+    if has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json")):
+        return "hf"
+    return "adapters" if has("adapter_config.json") else None
 
 
 def read_json(path: str, what: str) -> dict:

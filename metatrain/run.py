@@ -49,14 +49,14 @@ def on_one_device(shapes):
 
 def _what_else(workdir: str) -> str:
     """What a dir without checkpoints holds instead, in words that say what to give (the end of an error line)."""
-    has = lambda name: os.path.isfile(os.path.join(workdir, name))
-    if has("config.json") and has("model.safetensors"):
-        return (f"it holds a Hugging Face model (config.json, model.safetensors); give it as hf:{workdir} to "
+    kind = paths.folder_kind(workdir)
+    if kind == "hf":
+        return (f"it holds a Hugging Face model (config.json and safetensors weights); give it as hf:{workdir} to "
                 f"`metatrain generate` or inner.init_from")
-    if has("export.json"):
+    if kind == "export":
         return ("it holds a model exported by `metatrain export` (export.json), not a run; give the run it came from "
                 "(`metatrain generate` and inner.init_from take the export itself)")
-    if has("adapter_config.json"):
+    if kind == "adapters":
         return ("it holds LoRA adapters (adapter_config.json); give the run they came from, or its merged model "
                 "(metatrain export RUN --format hf --out DIR, then hf:DIR)")
     return f"it has no checkpoint (expected {workdir_lib.checkpoint_dir(workdir)}/<step>/)"

@@ -43,11 +43,14 @@ def test_opening_what_is_not_a_run_is_one_line(shared_run, tmp_path):
         Run.open(str(tmp_path / "notes.txt"))
     with pytest.raises(DataError, match="has no checkpoint"):
         Run.open(str(tmp_path))
-    for names, says in ((["config.json", "model.safetensors"], f"holds a Hugging Face model (config.json, "
-                         f"model.safetensors); give it as hf:{tmp_path / 'config'} to `metatrain generate`"),
-                        (["adapter_config.json", "adapter_model.safetensors"], "holds LoRA adapters"),
-                        (["export.json"], "holds a model exported by `metatrain export` (export.json), not a run")):
-        folder = tmp_path / names[0].split(".")[0]  # as `export --format hf` (or `export`) writes them
+    hf_model = "holds a Hugging Face model (config.json and safetensors weights); give it as hf:{} to `metatrain " \
+               "generate`"
+    for name, names, says in (  # as `export --format hf` (or `export`) writes them, and a sharded model
+            ("hf", ["config.json", "model.safetensors"], hf_model.format(tmp_path / "hf")),
+            ("sharded", ["config.json", "model.safetensors.index.json"], hf_model.format(tmp_path / "sharded")),
+            ("adapters", ["adapter_config.json", "adapter_model.safetensors"], "holds LoRA adapters"),
+            ("export", ["export.json"], "holds a model exported by `metatrain export` (export.json), not a run")):
+        folder = tmp_path / name
         folder.mkdir()
         for name in names:
             (folder / name).write_text("{}")
