@@ -112,7 +112,7 @@ def probes(f: dict) -> list[Probe]:
         ("meta_model.n_heads", "3", "meta_model.n_heads"), ("meta_model.preset", "nope", "meta_model.preset"),
         ("meta_model.d_model", "-1", "meta_model.d_model"), ("inner.init_from", "nodir", "inner.init_from"),
         ("inner.init_from", "hf:nodir", "inner.init_from"), ("meta_model.init_from", "nodir", "meta_model.init_from"),
-        ("data.source", "jsonl:", "quote or complete it"), ("data.source", "nosuch:x", "unknown kind"),
+        ("data.source", "jsonl:", "names no path; write jsonl:PATH"), ("data.source", "nosuch:x", "unknown kind"),
         ("log.wandb", "maybe", "log.wandb"), ("checkpoint_every", "-1", "checkpoint_every"),
     ]:
         out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
