@@ -69,6 +69,11 @@ def _series(rows: list[dict], key: str):
     return [s for s, _ in points], [v for _, v in points]
 
 
+def _dot(values) -> dict:
+    """A marker for a series of one point, which a line alone leaves invisible (a short run logs its last step only)."""
+    return {"marker": "o", "ms": 3} if len(values) == 1 else {}
+
+
 def _member_keys(rows: list[dict], key: str) -> list[str]:
     """`key/member_i` keys of a population's rows, in member order."""
     found = {k for r in rows for k in r if k.startswith(f"{key}/member_")}
@@ -98,8 +103,9 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
             ax.plot(*_series(evals, "eval_validation_loss"), "-o", ms=3, color=c,
                     label=f"{tag}learned" + (f" (mean of {len(members)} members)" if members else ""))
             for k, key in enumerate(members):  # a population: each member, thin
-                ax.plot(*_series(evals, key), "-", lw=0.8, alpha=0.5, color=c,
-                        label=f"{tag}members" if k == 0 else None)
+                steps, values = _series(evals, key)
+                ax.plot(steps, values, "-", lw=0.8, alpha=0.5, color=c, label=f"{tag}members" if k == 0 else None,
+                        **_dot(values))
             if any("eval_baseline_validation_loss" in r for r in evals):
                 ax.plot(*_series(evals, "eval_baseline_validation_loss"), "--s", ms=3, color=c, alpha=0.7,
                         label=f"{tag}uniform baseline")
@@ -125,13 +131,14 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
             steps, values = _series(train, key)
             if values:
                 ax.plot(steps, values, style, color=c, alpha=0.2, lw=0.8)
-                ax.plot(steps, ema(values), style, color=c, label=f"{tag}{key.replace('_', ' ')}")
+                ax.plot(steps, ema(values), style, color=c, label=f"{tag}{key.replace('_', ' ')}", **_dot(values))
         for k, key in enumerate(_member_keys(train, "outer_loss")):  # a population: each member's outer loss (EMA)
             steps, values = _series(train, key)
             ax.plot(steps, ema(values), "-", lw=0.6, alpha=0.45, color=c,
-                    label=f"{tag}members' outer losses" if k == 0 else None)
+                    label=f"{tag}members' outer losses" if k == 0 else None, **_dot(values))
         norm = "meta_grad_norm" if has("meta_grad_norm", 0) else "grad_norm"  # pretrain runs: no meta level
-        axes["norm"].plot(*_series(train, norm), color=c, label=name)
+        steps, values = _series(train, norm)
+        axes["norm"].plot(steps, values, color=c, label=name, **_dot(values))
     titles = {"val": ("held-out validation loss: learned vs uniform", "outer step", "next-token loss"),
               "auc": ("corrupted vs clean: ROC AUC of the scores", "outer step", "AUC (0.5 = chance)"),
               "weights": ("final weights of held-out examples", "weight α (mean 1 per batch)", "examples"),

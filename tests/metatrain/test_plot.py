@@ -70,3 +70,26 @@ def test_ema_is_bias_corrected():
     assert ema([2.0, 2.0, 2.0]).tolist() == [2.0, 2.0, 2.0]
     smoothed = ema([0.0, 10.0], decay=0.5)
     assert smoothed[0] == 0.0 and abs(smoothed[1] - 10 * 0.5 / 0.75) < 1e-12
+
+
+def test_a_series_of_one_point_is_drawn_as_a_dot(shared_run, tmp_path, monkeypatch):
+    """A short run logs its training metrics at its last step only (log_every=10 by default): drawn as lines alone,
+    its training losses, meta-gradient norm and population members were invisible, named only in the legends."""
+    from metatrain import plot
+
+    run = tmp_path / "short"
+    run.mkdir()
+    rows = [json.loads(x) for x in open(shared_run["workdir"] / "metrics.jsonl")]
+    last = max(r["step"] for r in rows if "outer_loss" in r)
+    rows = [r for r in rows if "eval_validation_loss" in r or r["step"] == last]  # one training row
+    member = {"eval_validation_loss/member_0": 5.0, "eval_validation_loss/member_1": 5.1}
+    rows = [{**r, **member} if "eval_validation_loss" in r and r["step"] == last else r for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)
+    plot.plot_runs([str(run)])
+    drawn = [line for ax in figures[0].axes for line in ax.lines if line.get_alpha() != 0.2]  # the faint raw curves
+    single = [line for line in drawn if len(line.get_xdata()) == 1]
+    assert {line.get_label() for line in single} >= {"outer loss", "inner loss", "short", "members"}, single
+    assert all(line.get_marker() not in ("None", "", None) for line in single), [
+        line.get_label() for line in single if line.get_marker() in ("None", "", None)]
