@@ -8,7 +8,7 @@ from flax import nnx
 
 from metatrain.models.config import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS, ModelConfig, param_count, preset
 from metatrain.models.lora import LoRAConfig, split_adapters
-from metatrain.models.transformer import Transformer, next_token_loss
+from metatrain.models.transformer import Transformer, loss_targets, next_token_loss
 
 
 def init(cfg: ModelConfig, key: jax.Array, lora: LoRAConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
@@ -25,4 +25,4 @@ def abstract_init(cfg: ModelConfig, lora: LoRAConfig | None = None) -> tuple[nnx
 
 
 __all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "LoRAConfig", "ModelConfig", "Transformer", "abstract_init",
-           "init", "next_token_loss", "param_count", "preset", "split_adapters"]
+           "init", "loss_targets", "next_token_loss", "param_count", "preset", "split_adapters"]

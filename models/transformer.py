@@ -337,9 +337,7 @@ class Transformer(nnx.Module):
         `loss_chunk` > 0 the logits are made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
         cut = lambda a, sl: None if a is None else a[:, sl]
         inputs = (tokens[:, :-1], cut(segment_ids, slice(None, -1)), cut(positions, slice(None, -1)))
-        targets = cut(segment_ids, slice(1, None))
-        if loss_mask is not None:  # a target counts where it is not padding and the mask marks it
-            targets = (jnp.ones_like(loss_mask[:, 1:]) if targets is None else targets) * (loss_mask[:, 1:] > 0)
+        targets = loss_targets(segment_ids, loss_mask)
         if not self.cfg.loss_chunk:
             return next_token_loss(self(*inputs), tokens[:, 1:], targets)
         return chunked_next_token_loss(self.features(*inputs), self.unembedding, tokens[:, 1:], targets,
@@ -373,6 +371,16 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self.cfg.remat_policy))
         x, _ = jax.lax.scan(body, x, stacked, unroll=not self.cfg.scan_layers)
         return self.final_norm(x)
+
+
+def loss_targets(segment_ids=None, loss_mask=None):
+    """The targets a sequence's next-token loss counts, [batch, seq] (> 0 where one counts: not padding and, with
+    `loss_mask`, marked there: a conversation's assistant tokens), from segment_ids and loss_mask [batch, seq + 1];
+    None where every target counts."""
+    targets = None if segment_ids is None else segment_ids[:, 1:]
+    if loss_mask is not None:
+        targets = (jnp.ones_like(loss_mask[:, 1:]) if targets is None else targets) * (loss_mask[:, 1:] > 0)
+    return targets
 
 
 def next_token_loss(logits, tokens_out, segment_ids=None):

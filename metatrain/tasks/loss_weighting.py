@@ -3,7 +3,10 @@
 η = (a meta language model with the inner model's architecture, a log-temperature τ). An example's
 score is exp(τ) · (its mean next-token log-likelihood under the meta model), and the weights are
 α(η, x) = batch · softmax(scores) (mean 1, so the inner step size is kept). The inner loss is
-mean(α · NTP); the inner state carries over between outer steps.
+mean(α · NTP); the inner state carries over between outer steps. In a batch with a loss mask (conversations), an
+example without a token to train on (a packed row of prompts only) has weight 0 and the softmax runs over the
+others, n of them: α = n · softmax (mean 1 over them). Its loss is 0 whatever its weight, and the likelihood
+readout (a mean over no token: 0) would rate it above every other.
 
 Why a likelihood readout rather than a pooled scalar head: the meta-gradient tells the meta model to
 make helpful examples more likely and harmful ones less, a dense per-token signal, and next-token
@@ -80,11 +83,15 @@ class LossWeighting(Task):
         return -jnp.exp(meta["log_temperature"]).astype(nll.dtype) * nll
 
     def weights(self, meta: Pytree, batch: dict) -> jax.Array:
-        """α(η, x): [batch], positive, mean 1."""
+        """α(η, x): [batch], positive, mean 1; with a loss mask, 0 for an example without a token to train on and mean
+        1 over the others."""
         if self.uniform:
             return jnp.ones(batch["tokens"].shape[:1], self.meta_model.dtype)
         scores = self.scores(meta, batch)
-        return scores.shape[0] * jax.nn.softmax(scores)
+        if batch.get("loss_mask") is None:
+            return scores.shape[0] * jax.nn.softmax(scores)
+        trained = (models.loss_targets(batch.get("segment_ids"), batch["loss_mask"]) > 0).any(-1)  # [batch]
+        return trained.sum().astype(scores.dtype) * jax.nn.softmax(scores, where=trained)  # 0 outside, NaN-free
 
     def inner_loss(self, theta, meta, batch):
         losses = self.example_losses(theta, batch)

@@ -168,3 +168,41 @@ def test_the_loss_weighting_baseline_skips_the_meta_model_and_weighs_uniformly(b
     assert abs(float(value - value_u)) <= tol * abs(float(value))
     for g, gu in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_u), strict=True):
         assert jnp.allclose(g, gu, rtol=tol, atol=tol * float(jnp.abs(g).max()) + 1e-30)
+
+
+def test_an_example_without_a_token_to_train_on_takes_no_weight():
+    """A packed row of conversations holding no assistant token has loss 0. The likelihood readout (a mean over no
+    token: 0) rated it above every other row, and the softmax gave such rows nearly all the weight: a chat run's
+    weighted inner loss was 0.03 beside the uniform baseline's 2.7, and its inner model barely trained."""
+    import numpy as np
+
+    task = make_task("loss_weighting", model=CFG)
+    meta = dict(task.init_meta(jax.random.key(0)), log_temperature=jnp.asarray(2.0))  # a sharp softmax
+    theta = task.init_inner(jax.random.key(1), meta)[0]
+    b = step.random_batches(DataConfig(inner_steps=1, batch=4, seq_len=8), CFG.vocab_size, jax.random.key(2))[0]
+    b = jax.tree.map(lambda x: x[0], b)
+    trained = np.array([False, True, False, True])
+    mask = np.zeros((4, 9), np.int32)
+    mask[trained, 5:] = 1  # rows 1 and 3: their last four targets (an assistant turn); rows 0 and 2: none
+    b = dict(b, loss_mask=jnp.asarray(mask))
+    scores = np.asarray(task.scores(meta, b), np.float64)
+    assert scores[0] == scores[2] == 0 and (scores[trained] < 0).all()  # the empty rows rate highest
+    # float64 reference: n · softmax over the rows with a target (n = 2), 0 for the others
+    e = np.exp(scores[trained] - scores[trained].max())
+    expected = np.zeros(4)
+    expected[trained] = 2 * e / e.sum()
+    weights = np.asarray(task.weights(meta, b))
+    assert (weights[~trained] == 0).all() and np.allclose(weights, expected, rtol=1e-6, atol=0), (weights, expected)
+    losses = np.asarray(task.example_losses(theta, b))
+    assert (losses[~trained] == 0).all() and (losses[trained] > 0).all()
+    assert np.isclose(float(task.inner_loss(theta, meta, b)), np.mean(expected * losses), rtol=1e-6)
+    # a batch without any: every weight 0, the loss 0, finite (zero) meta-gradients
+    empty = dict(b, loss_mask=jnp.zeros_like(b["loss_mask"]))
+    assert jnp.array_equal(task.weights(meta, empty), jnp.zeros(4))
+    grads = jax.grad(lambda m: task.inner_loss(theta, m, empty))(meta)
+    assert all(bool(jnp.all(g == 0)) for g in jax.tree.leaves(grads))
+    # forward over reverse (MixFlow's products through the weights): finite with and without such rows
+    for batch in (b, empty):
+        tangent = jax.tree.map(jnp.ones_like, meta)
+        _, hvp = jax.jvp(jax.grad(lambda m, x=batch: task.inner_loss(theta, m, x)), (meta,), (tangent,))
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(hvp))
