@@ -231,6 +231,13 @@ class Task:
                                                       batch.get("positions"), batch.get("loss_mask"))
 
 
+def trained_examples(batch: dict) -> jax.Array:
+    """Which examples of `batch` have a target their loss counts, [batch] bool: all of them but, with a loss mask, a
+    packed row of a conversation's prompts only (its loss is 0 whatever the parameters)."""
+    targets = models.loss_targets(batch.get("segment_ids"), batch.get("loss_mask"))
+    return jnp.ones(batch["tokens"].shape[:1], bool) if targets is None else (targets > 0).any(-1)
+
+
 def _describe(tree) -> str:
     leaves = jax.tree.leaves(tree)
     return f"{len(leaves)} leaves" if len(leaves) > 3 else str([(x.shape, str(x.dtype)) for x in leaves])

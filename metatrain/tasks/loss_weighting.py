@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metatrain import models
-from metatrain.tasks.base import Pytree, Task
+from metatrain.tasks.base import Pytree, Task, trained_examples
 
 
 class LossWeighting(Task):
@@ -90,7 +90,7 @@ class LossWeighting(Task):
         scores = self.scores(meta, batch)
         if batch.get("loss_mask") is None:
             return scores.shape[0] * jax.nn.softmax(scores)
-        trained = (models.loss_targets(batch.get("segment_ids"), batch["loss_mask"]) > 0).any(-1)  # [batch]
+        trained = trained_examples(batch)
         return trained.sum().astype(scores.dtype) * jax.nn.softmax(scores, where=trained)  # 0 outside, NaN-free
 
     def inner_loss(self, theta, meta, batch):

@@ -3,7 +3,8 @@
 Every evaluation: the ROC AUC of the meta model's scores for clean vs corrupted held-out examples (with
 `data.corrupt_fraction > 0`), the mean weight of clean and of corrupted examples, and the effective sample size as
 a fraction of the batch; the last weights go to `eval_weights.json` for the run report. At the end of the run: the
-lowest- and highest-weighted held-out documents.
+lowest- and highest-weighted held-out documents. All but the effective sample size leave out the examples without a
+target to train on (`trained_examples`: weight 0, a score that says nothing of the document).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from metatrain.data.formats import preview
 from metatrain.data.pipeline import device_features, to_global
+from metatrain.tasks.base import trained_examples
 
 
 def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
@@ -53,14 +55,15 @@ class WeightEvaluation:
     def __init__(self, task, run: EvalContext, max_batches: int = 64):
         self.task, self.run, self.max_batches = task, run, max_batches
         self.flagged = run.cfg.data.corrupt_fraction > 0
-        self._fn = jax.jit(lambda meta, b: (task.scores(meta, b), b["corrupted"], task.weights(meta, b), b["doc"]),
-                           out_shardings=run.replicated)
+        self._fn = jax.jit(lambda meta, b: (task.scores(meta, b), b["corrupted"], task.weights(meta, b), b["doc"],
+                                            trained_examples(b)), out_shardings=run.replicated)
         self._batches = None
 
-    def _scored(self, meta) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-        """(scores, weights, corrupted flags or None, document indices) on held-out examples of the inner source,
-        gathered on every host. With corruption flags: at least `eval_batches` (and 8) flagged batches, more while one
-        class is missing; without: `eval_batches` batches; chosen at the first call and kept."""
+    def _scored(self, meta) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """(scores, weights, corrupted flags or None, document indices, which have a target to train on) on held-out
+        examples of the inner source, gathered on every host. With corruption flags: at least `eval_batches` (and 8)
+        flagged batches, more while one class is missing among the trained examples; without: `eval_batches` batches;
+        chosen at the first call and kept."""
         cfg = self.run.cfg
         results = []
         if self._batches is None:
@@ -70,29 +73,29 @@ class WeightEvaluation:
             kept = []
             for b in batches:
                 if len(results) >= n and (not self.flagged or
-                                          len(np.unique(np.concatenate([r[1] for r in results]))) == 2):
+                                          len(np.unique(np.concatenate([r[1][r[4]] for r in results]))) == 2):
                     break
                 kept.append(to_global(b, self.run.batch_sharding, (*device_features(cfg.data), "doc")))
                 results.append(jax.device_get(self._fn(meta, kept[-1])))
             self._batches = kept
         else:
             results = [jax.device_get(self._fn(meta, b)) for b in self._batches]
-        scores, flags, weights, docs = (np.concatenate(x) for x in zip(*results))
-        return scores, weights, flags if self.flagged else None, docs
+        scores, flags, weights, docs, trained = (np.concatenate(x) for x in zip(*results))
+        return scores, weights, flags if self.flagged else None, docs, trained
 
     def metrics(self, meta, step: int) -> dict:
         """`eval_auc` (with both kinds of example), `eval_weight_ess`, `eval_weight_clean`, `eval_weight_corrupted`;
         writes `eval_weights.json`."""
-        scores, weights, flags, _ = self._scored(meta)
+        scores, weights, flags, _, trained = self._scored(meta)
         out = {}
-        both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
-        if both:
-            out["eval_auc"] = roc_auc(scores, 1 - flags)
         batch = self.run.cfg.data.batch
         p = weights.reshape(-1, batch)
         p = p / p.sum(-1, keepdims=True)
         out["eval_weight_ess"] = float(np.mean(1 / (p * p).sum(-1)) / batch)
+        scores, weights, flags = scores[trained], weights[trained], None if flags is None else flags[trained]
+        both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
         if both:
+            out["eval_auc"] = roc_auc(scores, 1 - flags)
             out["eval_weight_clean"] = float(weights[flags == 0].mean())
             out["eval_weight_corrupted"] = float(weights[flags == 1].mean())
         self.run.write_json("eval_weights.json", {"step": step, "weights": weights.tolist(),
@@ -108,7 +111,8 @@ class WeightEvaluation:
     def extremes(self, meta, k: int = 5) -> tuple[list[dict], list[dict]]:
         """The k lowest- and highest-weighted held-out documents (a document's weight: the mean over its examples) as
         {id, weight, text} with the text's first 80 characters (fewer when fewer than 2k documents were scored)."""
-        _, weights, _, docs = self._scored(meta)
+        _, weights, _, docs, trained = self._scored(meta)
+        weights, docs = weights[trained], docs[trained]
         unique, inverse = np.unique(docs, return_inverse=True)
         mean = np.bincount(inverse, weights) / np.bincount(inverse)
         order, k = np.argsort(mean, kind="stable"), min(k, len(unique) // 2)  # two disjoint lists
