@@ -7,7 +7,7 @@ import inspect
 import traceback
 
 from metatrain.errors import MetatrainError
-from metatrain.tasks.base import Task, TaskError, validate
+from metatrain.tasks.base import Task, TaskError, batch_mean, validate
 from metatrain.tasks.learned_lr import LearnedLR
 from metatrain.tasks.loss_weighting import LossWeighting
 from metatrain.tasks.maml import MAML
@@ -68,5 +68,5 @@ def make_task(name: str, **kwargs) -> Task:
     return task
 
 
-__all__ = ["BUILTIN", "MAML", "LearnedLR", "LossWeighting", "Task", "TaskError", "make_task", "task_class",
-           "validate"]
+__all__ = ["BUILTIN", "MAML", "LearnedLR", "LossWeighting", "Task", "TaskError", "batch_mean", "make_task",
+           "task_class", "validate"]

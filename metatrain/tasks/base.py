@@ -143,7 +143,7 @@ class Task:
         Returns:
           A scalar.
         """
-        return self.example_losses(theta, batch).mean()
+        return batch_mean(self.example_losses(theta, batch), batch)
 
     def update(self, grads: Pytree, theta: Pytree, opt_state: Pytree, meta: Pytree) -> tuple[Pytree, Pytree]:
         """Υ: one inner optimiser step, Adam by default (`eps_root > 0`, so it is differentiable at zero gradients).
@@ -171,7 +171,7 @@ class Task:
         Returns:
           A scalar.
         """
-        return self.example_losses(theta, batch).mean()
+        return batch_mean(self.example_losses(theta, batch), batch)
 
     def place_pretrained(self, params: Pytree, meta: Pytree, inner
                          ) -> tuple[Pytree, tuple[Pytree, Pytree] | None]:
@@ -236,6 +236,25 @@ def trained_examples(batch: dict) -> jax.Array:
     packed row of a conversation's prompts only (its loss is 0 whatever the parameters)."""
     targets = models.loss_targets(batch.get("segment_ids"), batch.get("loss_mask"))
     return jnp.ones(batch["tokens"].shape[:1], bool) if targets is None else (targets > 0).any(-1)
+
+
+def batch_mean(losses: jax.Array, batch: dict) -> jax.Array:
+    """The mean of per-example losses over the examples that have a target to train on.
+
+    Without a loss mask that is every example. With one (conversations), a packed row of prompts only has loss 0
+    and is left out, where a plain `.mean()` would count it and pull the mean down.
+
+    Args:
+      losses: [batch] per-example losses, as `Task.example_losses` gives them.
+      batch: the batch they are of (its `segment_ids` and `loss_mask`).
+
+    Returns:
+      A scalar: the mean over the examples with a target (0 where none has one).
+    """
+    if batch.get("loss_mask") is None:
+        return losses.mean()
+    trained = trained_examples(batch)
+    return jnp.where(trained, losses, 0).sum() / jnp.maximum(trained.sum(), 1).astype(losses.dtype)
 
 
 def _describe(tree) -> str:

@@ -5,8 +5,8 @@ score is exp(τ) · (its mean next-token log-likelihood under the meta model), a
 α(η, x) = batch · softmax(scores) (mean 1, so the inner step size is kept). The inner loss is
 mean(α · NTP); the inner state carries over between outer steps. In a batch with a loss mask (conversations), an
 example without a token to train on (a packed row of prompts only) has weight 0 and the softmax runs over the
-others, n of them: α = n · softmax (mean 1 over them). Its loss is 0 whatever its weight, and the likelihood
-readout (a mean over no token: 0) would rate it above every other.
+others, n of them: α = n · softmax (mean 1 over them), and the inner loss is the mean over them. Its loss is 0
+whatever its weight, and the likelihood readout (a mean over no token: 0) would rate it above every other.
 
 Why a likelihood readout rather than a pooled scalar head: the meta-gradient tells the meta model to
 make helpful examples more likely and harmful ones less, a dense per-token signal, and next-token
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metatrain import models
-from metatrain.tasks.base import Pytree, Task, trained_examples
+from metatrain.tasks.base import Pytree, Task, batch_mean, trained_examples
 
 
 class LossWeighting(Task):
@@ -95,7 +95,7 @@ class LossWeighting(Task):
 
     def inner_loss(self, theta, meta, batch):
         losses = self.example_losses(theta, batch)
-        return jnp.mean(self.weights(meta, batch).astype(losses.dtype) * losses)
+        return batch_mean(self.weights(meta, batch).astype(losses.dtype) * losses, batch)
 
     def evaluation(self, run):
         """The weights' held-out metrics: AUC for clean vs corrupted, weight statistics, extremes."""

@@ -195,10 +195,14 @@ def test_an_example_without_a_token_to_train_on_takes_no_weight():
     assert (weights[~trained] == 0).all() and np.allclose(weights, expected, rtol=1e-6, atol=0), (weights, expected)
     losses = np.asarray(task.example_losses(theta, b))
     assert (losses[~trained] == 0).all() and (losses[trained] > 0).all()
-    assert np.isclose(float(task.inner_loss(theta, meta, b)), np.mean(expected * losses), rtol=1e-6)
+    # the losses are means over the two rows with a target: rows of loss 0 would pull them down
+    assert np.isclose(float(task.inner_loss(theta, meta, b)), np.sum(expected * losses) / 2, rtol=1e-6)
+    maml = make_task("maml", model=CFG)
+    for loss in (maml.inner_loss, maml.outer_loss):
+        assert np.isclose(float(loss(theta, None, b)), losses[trained].mean(), rtol=1e-6)
     # a batch without any: every weight 0, the loss 0, finite (zero) meta-gradients
     empty = dict(b, loss_mask=jnp.zeros_like(b["loss_mask"]))
-    assert jnp.array_equal(task.weights(meta, empty), jnp.zeros(4))
+    assert jnp.array_equal(task.weights(meta, empty), jnp.zeros(4)) and float(task.inner_loss(theta, meta, empty)) == 0
     grads = jax.grad(lambda m: task.inner_loss(theta, m, empty))(meta)
     assert all(bool(jnp.all(g == 0)) for g in jax.tree.leaves(grads))
     # forward over reverse (MixFlow's products through the weights): finite with and without such rows
