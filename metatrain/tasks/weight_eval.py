@@ -90,8 +90,9 @@ class WeightEvaluation:
         out = {}
         batch = self.run.cfg.data.batch
         p = weights.reshape(-1, batch)
+        p = p[p.sum(-1) > 0]  # a batch of rows without a target (prompts only) weighs nothing: no sample to size
         p = p / p.sum(-1, keepdims=True)
-        out["eval_weight_ess"] = float(np.mean(1 / (p * p).sum(-1)) / batch)
+        out["eval_weight_ess"] = float(np.mean(1 / (p * p).sum(-1)) / batch) if len(p) else float("nan")
         scores, weights, flags = scores[trained], weights[trained], None if flags is None else flags[trained]
         both = flags is not None and 0 < flags.sum() < len(flags)  # AUC and the split need both kinds
         if both:

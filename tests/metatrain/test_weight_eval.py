@@ -20,11 +20,13 @@ def test_examples_without_a_target_are_left_out_of_the_auc_the_means_and_the_wei
     task = make_task("loss_weighting", model=CFG)
     meta = dict(task.init_meta(jax.random.key(0)), log_temperature=jnp.asarray(2.0))
     data = DataConfig(inner_steps=1, batch=4, seq_len=8)
-    trained = np.array([False, True, False, True, True, True, False, True])  # per pair of batches of 4
+    # which rows have a target, batch by batch: two patterns, and a last batch without any
+    trained = [np.array([False, True, False, True]), np.array([True, True, False, True])] * 3 + [
+        np.array([False, True, False, True]), np.zeros(4, bool)]
     batches = []
     for i in range(8):
         b = {k: np.asarray(v[0]) for k, v in step.random_batches(data, CFG.vocab_size, jax.random.key(i))[0].items()}
-        rows = trained[4 * (i % 2):4 * (i % 2) + 4]
+        rows = trained[i]
         mask = np.zeros((4, 9), np.int32)
         mask[rows, 4:] = 1
         b.update(loss_mask=mask, corrupted=np.array([1, 0, 0, 1], np.int32), doc=np.arange(4 * i, 4 * i + 4))
@@ -38,7 +40,7 @@ def test_examples_without_a_target_are_left_out_of_the_auc_the_means_and_the_wei
         batch_sharding=device, replicated=device, write_json=lambda name, payload: written.update({name: payload}))
     metrics = WeightEvaluation(task, run).metrics(meta, step=1)
     # the reference: the same task's scores and weights, batch by batch, on the rows with a target only
-    keep = np.concatenate([trained[4 * (i % 2):4 * (i % 2) + 4] for i in range(8)])
+    keep = np.concatenate(trained)
     scores = np.concatenate([np.asarray(task.scores(meta, b)) for b in batches])[keep]
     weights = np.concatenate([np.asarray(task.weights(meta, b)) for b in batches])
     flags = np.concatenate([b["corrupted"] for b in batches])[keep]
@@ -48,3 +50,7 @@ def test_examples_without_a_target_are_left_out_of_the_auc_the_means_and_the_wei
     assert metrics["eval_auc"] == roc_auc(scores, 1 - flags)
     assert np.isclose(metrics["eval_weight_clean"], weights[keep][flags == 0].mean(), rtol=1e-6)
     assert np.isclose(metrics["eval_weight_corrupted"], weights[keep][flags == 1].mean(), rtol=1e-6)
+    # the effective sample size: of the batches that weigh anything (the last weighs nothing: 0/0)
+    p = weights.reshape(8, 4)[:7]
+    p = p / p.sum(-1, keepdims=True)
+    assert np.isclose(metrics["eval_weight_ess"], np.mean(1 / (p * p).sum(-1)) / 4, rtol=1e-6)
