@@ -475,6 +475,27 @@ def check(preset: str | None = None, overrides: list[str] = ()) -> Config:
     return validate(_merged(preset, overrides)[0], local_files=False)
 
 
+def check_syntax(overrides: list[str], takes_preset: bool = True) -> None:
+    """Refuse an override that is not `key=value`, in one line.
+
+    Args:
+      overrides: the command's overrides.
+      takes_preset: whether the command takes a preset (or YAML path) before its overrides; without one (`compile`,
+        `bench`, `check-grads`) a bare word is told that the model and shapes come from the command's flags.
+
+    Raises:
+      ConfigError: the first override that is not `key=value`.
+    """
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if not bad:
+        return
+    hint = ""
+    if "=" not in bad[0]:
+        hint = (" (a preset goes first, before the overrides)" if takes_preset else
+                " (this command takes no preset or run dir: the model and shapes come from its flags, see --help)")
+    raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100{hint}")
+
+
 def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
     """(defaults ← preset ← overrides, typed; whether a data.tokenizer was given), not yet validated."""
     tokenizer_given = any(override_key(o) == "data.tokenizer" for o in overrides)
@@ -492,10 +513,7 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
                 if why.startswith("Incompatible value 'None'"):  # `steps:` with nothing after it: YAML's null
                     why = f"no value; write one after the colon (`{key.split('.')[-1]}: ...`)"
                 raise ConfigError(f"{key} in {preset}: {why}") from None
-        bad = [o for o in overrides if "=" not in o or o.startswith("=")]
-        if bad:
-            hint = " (a preset goes first, before the overrides)" if "=" not in bad[0] else ""
-            raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100{hint}")
+        check_syntax(overrides)
         overrides = _upgrade_overrides(overrides)
         _refuse_groups([override_key(o) for o in overrides])
         merged = OmegaConf.merge(merged, _dotlist(overrides))

@@ -182,6 +182,14 @@ def test_a_value_for_a_whole_group_names_its_keys(tmp_path, capsys, override, me
     one_line_error(err, message)
 
 
+@pytest.mark.parametrize("command", [["compile"], ["check-grads"], ["bench", "memory"]])
+def test_a_bare_word_where_no_preset_is_taken_says_the_flags_give_the_model(capsys, command):
+    """`metatrain compile runs/mine` was told that a preset goes first, which these commands do not take."""
+    assert cli.main([*command, "runs/mine"]) == 2
+    one_line_error(capsys.readouterr().err, "override 'runs/mine': write overrides as key=value, e.g. steps=100 "
+                   "(this command takes no preset or run dir: the model and shapes come from its flags, see --help)")
+
+
 # ---- 3. one run per work dir --------------------------------------------------------------------------
 def test_a_second_run_in_a_busy_workdir_is_refused_and_a_dead_one_leaves_no_lock(tmp_path, capsys):
     workdir = tmp_path / "run"
