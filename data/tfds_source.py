@@ -60,7 +60,8 @@ def text_source(name: str, split: str = "train", data_dir: str | None = None) ->
     except Exception as e:  # noqa: BLE001 — TFDS raises several types for "not there"
         raise DataError(
             f"data.source: TFDS dataset {name!r} (split {split!r}) is not prepared in {data_dir} "
-            f"({type(e).__name__}); prepare it "
+            f"({type(e).__name__}); if it is prepared in another folder, name that folder (data.data_dir=DIR, or "
+            f"--data-dir DIR in `metatrain data`); else prepare it "
             f"with `tfds build {name} --data_dir {data_dir} --file_format array_record` on a machine with network "
             f"access, or build one from local text with `metatrain data build`") from None
     if len(source) == 0:

@@ -109,6 +109,7 @@ def test_empty_corpus_and_unprepared_names(tmp_path, capsys):
     assert cli.main(["data", "stats", "--source", "tfds:lm1b", "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "'lm1b'" in err and "tfds build lm1b" in err
+    assert "another folder, name that folder (data.data_dir=DIR, or --data-dir DIR" in err  # built elsewhere
     assert cli.main(["data", "build", str(tmp_path / "nope"), "--name", "x"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
     # a --data-dir that is (or is below) a file: a NotADirectoryError traceback from making the dataset's folder
