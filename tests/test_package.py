@@ -167,6 +167,32 @@ def test_help_is_built_from_the_constants(capsys):
     assert "README.md" in capsys.readouterr().out
 
 
+def test_each_commands_help_says_what_it_does(capsys):
+    """`metatrain filter --help` listed the flags without a word on what the command does (only `metatrain --help`
+    said it): each command's help now opens with the line the command list gives it."""
+    import argparse
+
+    from metatrain import cli
+
+    def commands(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    yield [*path, choice.dest], choice.help
+                    yield from commands(action.choices[choice.dest], [*path, choice.dest])
+
+    found = list(commands(cli.build_parser(), []))
+    assert len(found) > 20
+    for path, summary in found:
+        with pytest.raises(SystemExit):
+            cli.main([*path, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        usage, _, rest = text.partition(" [-h]")
+        assert usage == f"usage: metatrain {' '.join(path)}", text[:200]
+        summary = " ".join(summary.split())
+        assert summary[0].upper() + summary[1:] in rest, (path, rest[:300])
+
+
 @pytest.mark.slow
 def test_a_users_models_and_data_modules_do_not_shadow_metatrain(tmp_path):
     """A user's folder holding models.py, data.py (that break when imported) and a task module, on the path as

@@ -51,14 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     for group in GROUPS:
         group.register(sub)
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command is named by its choices, not "command"
+    _describe(sub)
     for name, command in sub.choices.items():  # `bench memory`, `data stats`, ...: named in full, as argparse does
         command.set_defaults(command_parser=command)
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 action.metavar = "{" + ",".join(action.choices) + "}"
+                _describe(action)
                 for leaf, leaf_parser in action.choices.items():
                     leaf_parser.set_defaults(command_name=f"{name} {leaf}", command_parser=leaf_parser)
     return parser
+
+
+def _describe(sub: argparse._SubParsersAction) -> None:
+    """Each command's `--help` opens with what it does: the line the command list gives it, where the command has
+    no description of its own."""
+    for choice in sub._choices_actions:
+        command = sub.choices[choice.dest]
+        if command.description is None and choice.help:
+            text = choice.help[0].upper() + choice.help[1:]
+            command.description = text if text.endswith((".", "?")) else text + "."
 
 
 def _stopped(command: str, stop: KeyboardInterrupt) -> int:
