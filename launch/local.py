@@ -74,7 +74,7 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
     return code if code > 0 else 1
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m metatrain.launch.local", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=positive_int, default=2)
@@ -85,6 +85,11 @@ def main(argv=None) -> int:
     parser.add_argument("--grace", type=number(float, 0, float("inf"), "a number of seconds >= 0"), default=10.0,
                         help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then a metatrain command, e.g. train ...")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -1,4 +1,4 @@
-"""The command line's signal handling where Python drops the exception a signal raises."""
+"""The command line: its signal handling where Python drops the exception a signal raises; its help page."""
 
 import argparse
 import os
@@ -158,3 +158,38 @@ def test_version_and_a_missing_command_named_by_its_choices(capsys, monkeypatch)
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith(f"metatrain{' ' * bool(argv)}{' '.join(argv)}: error: the following arguments are "
                                f"required: {choices}"), last
+
+
+def test_the_help_page_holds_every_commands_help_at_its_own_width(monkeypatch):
+    """docs/cli.md's sections (written when the site is built): one per command and launcher, each the command's
+    `--help`, wrapped at the page's width whatever the terminal of the machine that builds the site."""
+    import re
+
+    from metatrain.cli import help_page
+    from metatrain.launch import local
+
+    monkeypatch.setenv("COLUMNS", "40")
+    page = help_page.markdown()
+    assert os.environ["COLUMNS"] == "40"
+    monkeypatch.setenv("COLUMNS", "300")
+    assert help_page.markdown() == page
+    titles = re.findall(r"(?m)^#+ `(.*)`$", page)
+    assert titles[:3] == ["metatrain", "metatrain train", "metatrain pretrain"]
+    assert {"metatrain bench memory", "metatrain data make-chat", "metatrain experiment curation",
+            "metatrain import hf", "python -m metatrain.launch.local", "python -m metatrain.launch.tpu"} <= set(titles)
+    for title in titles:
+        assert f"usage: {title} [-h]" in page or f"usage: {title}\n" in page, title
+    commands_part = page.split("## `python -m")[0]  # the launchers print their docstrings as written
+    wrapped = [line for line in commands_part.splitlines() if len(line) > help_page.WIDTH and "{" not in line]
+    assert not wrapped, wrapped  # only argparse's unbreakable lists of choices are wider
+    commands = [title for title in titles if title.startswith("metatrain ")]
+    assert commands == [f"metatrain {' '.join(path)}" for path in _command_paths(cli.build_parser())]
+    assert "--processes PROCESSES" in page and "--grace GRACE" in page and local.__doc__.split("\n")[0] in page
+
+
+def _command_paths(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                yield [*path, name]
+                yield from _command_paths(command, [*path, name])
