@@ -167,6 +167,22 @@ def test_help_is_built_from_the_constants(capsys):
     assert "README.md" in capsys.readouterr().out
 
 
+def test_the_readme_lists_every_docs_page():
+    """Three pages of the site (GPUs, Python API, Pretrained models) were missing from the README's table."""
+    import yaml
+
+    def pages(nav):
+        for item in nav:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            yield from (pages(value) if isinstance(value, list) else [value])
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    readme = (ROOT / "README.md").read_text()
+    missing = [page for page in pages(nav) if page not in ("index.md", "changelog.md")
+               and f"(docs/{page})" not in readme]
+    assert not missing, missing
+
+
 def test_each_commands_help_says_what_it_does(capsys):
     """`metatrain filter --help` listed the flags without a word on what the command does (only `metatrain --help`
     said it): each command's help now opens with the line the command list gives it."""
