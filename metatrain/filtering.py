@@ -28,9 +28,8 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
-from metatrain import distributed, paths
+from metatrain import distributed, paths, progress
 from metatrain.data import pipeline, records
 from metatrain.errors import ConfigError, DataError
 from metatrain.run import Run
@@ -110,8 +109,7 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     docs = tokens = 0
     tic = time.perf_counter()
     unit = "B" if kind == "jsonl" else " docs"
-    bar = tqdm(total=mine.size, desc="scoring", unit=unit, unit_scale=kind == "jsonl", file=sys.stderr,
-               disable=not show, mininterval=1.0)
+    bar = progress.bar(mine.size, "scoring", disable=not show, unit=unit, unit_scale=kind == "jsonl")
     with paths.naming(out_path), open(out_path, "wb") as f, bar:
         buffer = []
         for rec, n_tokens, score, where in score_stream(fn, meta, records.read(kind, files, mine, fields), encode,

@@ -17,15 +17,13 @@ import contextlib
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from metatrain import export as export_lib
-from metatrain import paths, population
+from metatrain import paths, population, progress
 from metatrain.config import Config
 from metatrain.data import records
 from metatrain.data.pipeline import document_source, encoder, fields, split_ids
@@ -134,7 +132,7 @@ def _per_document(fn, params, docs, ids, encode, cfg: Config, max_rows: int,
     """fn(params, batch) -> [batch] per-row means, averaged per document over its target tokens (NaN for a document
     without any); and each document's target count."""
     total, count = np.zeros(len(ids)), np.zeros(len(ids))
-    with tqdm(total=len(ids), desc=what, unit="doc", file=sys.stderr, disable=len(ids) < 2) as bar:
+    with progress.bar(len(ids), what, disable=len(ids) < 2, unit="doc") as bar:
         for b, where, targets in _batches(docs, ids, encode, cfg.data.seq_len, cfg.data.batch, max_rows):
             values = np.asarray(fn(params, b))
             keep = where >= 0
@@ -217,8 +215,8 @@ def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final) 
     """Scores into `tmp` (and the log-mean of e^score), then the lines with weights into `final`; the count."""
     d = run.cfg.data
     n, finite, log_sum = 0, 0, -math.inf
-    with open(tmp, "w") as f, tqdm(total=mine.size, desc="scoring", unit="B" if kind == "jsonl" else " docs",
-                                   unit_scale=kind == "jsonl", file=sys.stderr, mininterval=1.0) as bar:
+    with open(tmp, "w") as f, progress.bar(mine.size, "scoring", unit="B" if kind == "jsonl" else " docs",
+                                           unit_scale=kind == "jsonl") as bar:
         for rec, _, score, where in score_stream(fn, run.restored("meta"), records.read(kind, files, mine, fields(d),
                                                                                    d.id_field),
                                                  encode, d.seq_len, d.batch, max_rows):

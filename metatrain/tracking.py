@@ -1,5 +1,5 @@
 """Where a run's metrics go: `metrics.jsonl` and TensorBoard event files in the log dir, optionally Weights &
-Biases; and the progress bar.
+Biases.
 
 W&B (`log.wandb=true`, `pip install wandb`) resumes the same W&B run after a restart: its run id is kept
 in the work dir (`wandb_id`, in the bucket for a gs:// work dir). With a remote work dir the log dir is
@@ -16,36 +16,11 @@ import os
 import secrets
 import sys
 
-from tqdm import tqdm
-
 from metatrain import config as config_lib
 from metatrain import paths
 from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
-
-
-def progress_bar(total: int, initial: int, desc: str, disable: bool) -> tqdm:
-    """A tqdm bar on stderr; where stderr is not a terminal (a log file) it writes a line every 30 s."""
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr if tty else _Lines(),
-                dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, ascii=not tty)
-
-
-class _Lines:
-    """stderr for a bar in a log file: each of tqdm's updates, which redraw the line after a carriage return, as a line
-    of its own (a log read with `tail -f`, `grep` or a scheduler's viewer otherwise holds the whole run's updates on
-    one line)."""
-
-    encoding = "utf-8"
-
-    def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()  # tqdm pads an update with spaces over the longer one before it
-        if line:
-            sys.stderr.write(line + "\n")
-
-    def flush(self) -> None:
-        sys.stderr.flush()
 
 
 def summary_writer(directory: str):

@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import aot, auto, distributed, paths, population
+from metatrain import aot, auto, distributed, paths, population, progress
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -34,7 +34,7 @@ from metatrain.errors import ConfigError, TrainingError
 from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
 from metatrain.tasks import validate
 from metatrain.tasks.weight_eval import EvalContext
-from metatrain.tracking import MetricsLog, progress_bar, require_wandb
+from metatrain.tracking import MetricsLog, require_wandb
 
 AUTO_CHOICE = "mode_auto.json"  # in the log dir: metagrad `auto`'s choice, which a resumed start takes again
 
@@ -326,7 +326,7 @@ class Trainer:
         cfg = self.cfg
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         start_step = int(self.state["step"])
-        bar = progress_bar(cfg.steps, start_step, self.kind, disable=not self.show_progress)
+        bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)
         bad_in_a_row, skipped = 0, 0
         try:
             self._check_base()

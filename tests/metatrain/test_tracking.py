@@ -93,16 +93,3 @@ except ImportError:
     assert out.stdout.strip() == "[('outer_loss', 2.5, 1), ('outer_loss', nan, 2)]"
     assert "NaN or Inf" not in out.stderr, out.stderr  # tensorboardX warned once per scalar
 
-
-def test_the_bar_in_a_log_file_writes_lines(capsys):
-    """Where stderr is not a terminal (a log file, a scheduler's output), each update is a line of its own: tqdm's
-    updates start with a carriage return, so a whole run's progress was one line in the log."""
-    bar = tracking.progress_bar(total=3, initial=0, desc="meta-train", disable=False)
-    for _ in range(3):
-        bar.update()
-    bar.close()
-    err = capsys.readouterr().err
-    assert "\r" not in err
-    lines = err.splitlines()
-    assert lines[0].startswith("meta-train:   0%") and lines[-1].startswith("meta-train: 100%"), lines
-    assert all(line == line.rstrip() and line.startswith("meta-train:") for line in lines), lines

@@ -1,0 +1,42 @@
+"""Progress bars on stderr: redrawn on a terminal; in a log file (a scheduler's output, `2> log`), a line every 30 s."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+
+def bar(total: float | None, desc: str, initial: float = 0, disable: bool = False, **options: Any) -> tqdm:
+    """A tqdm bar on stderr: on a terminal redrawn ten times a second; elsewhere one line per update, every 30 s.
+
+    Args:
+      total: the count (or bytes) to reach.
+      desc: the bar's name.
+      initial: where it starts (a resumed run's step).
+      disable: no bar at all.
+      **options: more of tqdm's options (`unit`, `unit_scale`).
+
+    Returns:
+      The bar (a context manager).
+    """
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr if tty else _Lines(),
+                dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, ascii=not tty, **options)
+
+
+class _Lines:
+    """stderr for a bar in a log file: each of tqdm's updates, which redraw the line after a carriage return, as a line
+    of its own (a log read with `tail -f`, `grep` or a scheduler's viewer otherwise holds all the updates on one
+    line)."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()  # tqdm pads an update with spaces over the longer one before it
+        if line:
+            sys.stderr.write(line + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
