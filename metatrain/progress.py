@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 from tqdm import tqdm
+
+T = TypeVar("T")
 
 
 def bar(total: float | None, desc: str, initial: float = 0, disable: bool = False, **options: Any) -> tqdm:
@@ -24,6 +27,23 @@ def bar(total: float | None, desc: str, initial: float = 0, disable: bool = Fals
     tty = sys.stderr.isatty()
     return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr if tty else _Lines(),
                 dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, ascii=not tty, **options)
+
+
+def over(items: Iterable[T], desc: str = "") -> Iterator[T]:
+    """`items` with a bar on a terminal that goes when they are done; nothing shown elsewhere."""
+    return iter(tqdm(items, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty()))
+
+
+def lines(items: Iterable[T], desc: str = "") -> Iterator[T]:
+    """`items` with a bar on a terminal; elsewhere (logs, CI) a line before each item, `desc i/n ...`, so that each of
+    a few long items (compiles) shows."""
+    if sys.stderr.isatty():
+        yield from over(items, desc)
+        return
+    items = list(items)
+    for i, item in enumerate(items):
+        print(f"{desc} {i + 1}/{len(items)} ...", file=sys.stderr, flush=True)
+        yield item
 
 
 class _Lines:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from metatrain import argtypes, paths
+from metatrain import argtypes, paths, progress
 from metatrain.cli import common
 from metatrain.errors import ConfigError
 from metatrain.mixflow import MODES, mode_name
@@ -67,7 +67,7 @@ def cmd_bench_memory(args) -> int:
           f"step, B={args.batch} S={args.seq_len} T={args.inner_steps}", flush=True)
     done = common.read_rows(args.json) if args.resume else []
     try:
-        rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=common.progress_lines,
+        rows = memory.run(configs, chosen, baseline=args.baseline, topology=topology, progress=progress.lines,
                           with_breakdown=args.breakdown or bool(args.timeline), done=done,
                           save=(lambda rows: common.write_json(args.json, rows, quiet=True)) if args.json else None)
     except KeyboardInterrupt as stop:  # the stop's line says where the rows measured so far are
@@ -112,7 +112,7 @@ def cmd_bench_time(args) -> int:
 
     profile_dir = paths.output(args.profile, "bench time --profile", directory=True) if args.profile else None
     rows = steptime.measure(cfg, chosen, args.baseline, rounds=args.rounds, warmup=args.warmup,
-                            progress=common.progress_lines, profile_dir=profile_dir, profile_steps=args.profile_steps)
+                            progress=progress.lines, profile_dir=profile_dir, profile_steps=args.profile_steps)
     print(steptime.table(rows, args.baseline))
     if profile_dir:
         print(steptime.profile_table(rows))

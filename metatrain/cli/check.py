@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from metatrain import progress
 from metatrain.cli import common
 from metatrain.mixflow import MODES
 
@@ -32,7 +33,7 @@ def cmd_check_grads(args) -> int:
                                      eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
                                      modes=tuple(args.modes.split(",")), kept_states=args.kept_states,
                                      only=common.variants(args, args.variants) if args.variants is not None else None,
-                                     progress=common.progress, lora=lora, meta_model=meta_model_config(cfg),
+                                     progress=progress.over, lora=lora, meta_model=meta_model_config(cfg),
                                      members=members, tol_members=args.tol_members)
     width = max(22, *(len(r.variant) for r in results))
     extra = f" {'vs members mean':>16}" if members > 1 else ""

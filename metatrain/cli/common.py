@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-
-from tqdm import tqdm
 
 from metatrain.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_ints  # noqa: F401 (the commands' types)
 from metatrain.errors import renamed
@@ -18,21 +15,6 @@ from metatrain.unroll import KEPT_STATES
 MODEL_FLAGS = {"d_model": "--d-model", "n_heads": "--n-heads", "d_ff": "--d-ff", "vocab_size": "--vocab",
                "n_layers": "--n-layers"}
 TASK_HELP = " | ".join(BUILTIN) + " | package.module:Class"
-
-
-def progress(it, desc=""):
-    return tqdm(it, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
-
-
-def progress_lines(it, desc=""):
-    """A bar on a terminal; elsewhere (logs, CI) one line per item, so long compiles show progress too."""
-    if sys.stderr.isatty():
-        yield from progress(it, desc=desc)
-        return
-    items = list(it)
-    for i, item in enumerate(items):
-        print(f"{desc} {i + 1}/{len(items)} ...", file=sys.stderr, flush=True)
-        yield item
 
 
 def write_json(path, payload, quiet: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from metatrain import progress
 from metatrain.cli import common
 from metatrain.errors import ConfigError
 
@@ -45,7 +46,7 @@ def cmd_data_stats(args) -> int:
     encode = encoder(cfg, tok)  # the documents as training reads them: text, conversations, prompt + completion
     n = len(docs) if args.max_docs <= 0 else min(len(docs), args.max_docs)
     chars = tokens = trained = 0
-    for i in common.progress(range(n), desc="documents"):
+    for i in progress.over(range(n), desc="documents"):
         doc = docs[i]
         ids, mask = encode(doc, where(docs, i))
         chars += len(doc if isinstance(doc, str) else preview(doc))

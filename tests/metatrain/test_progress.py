@@ -18,3 +18,10 @@ def test_the_bar_in_a_log_file_writes_lines(capsys):
     assert lines[2].startswith("scoring:   0%") and lines[-1].startswith("scoring: 100%"), lines
     assert "2.05k/2.05k" in lines[-1] and len(lines) == 4, lines
     assert all(line == line.rstrip() for line in lines), lines
+
+
+def test_over_shows_nothing_and_lines_a_line_per_item_in_a_log_file(capsys):
+    assert list(progress.over(range(3), desc="documents")) == [0, 1, 2]
+    assert capsys.readouterr().err == ""
+    assert list(progress.lines(iter("ab"), desc="compiling")) == ["a", "b"]
+    assert capsys.readouterr().err == "compiling 1/2 ...\ncompiling 2/2 ...\n"
