@@ -140,6 +140,7 @@ def cmd_generate(args) -> int:
     _check_sizes(cfg, ids, args, context)
     eos = list(tok.eos_ids)
     out, stopped = [[] for _ in ids], []
+    screen = _Screen(args.stop) if not args.prompts and sys.stdout.isatty() else None  # one prompt, on a terminal
     # Ctrl-C / SIGTERM are noted and acted on between two compiled calls (a KeyboardInterrupt raised inside JAX's
     # dispatch can leave a computation in flight as the interpreter exits)
     noted = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -147,7 +148,10 @@ def cmd_generate(args) -> int:
         for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
                                     args.top_p, args.seed, eos=eos):
             out = so_far
-            if stopped:
+            texts = [tok.decode([t for t in new if t not in eos]) for new in so_far]
+            if screen is not None:
+                screen.show(texts[0])
+            if stopped or (args.stop and all(args.stop in text for text in texts)):  # no more to print
                 break
     finally:
         for s, handler in noted.items():
@@ -158,6 +162,8 @@ def cmd_generate(args) -> int:
             text = text[:text.index(args.stop)]
         if args.prompts:
             print(json.dumps({"prompt": p, "completion": text, "tokens": len(new)}, ensure_ascii=False))
+        elif screen is not None:
+            screen.finish(text)
         else:
             sys.stdout.write(text + "\n")
     if stopped:  # what was generated is printed; the command line says what stopped it
@@ -166,6 +172,30 @@ def cmd_generate(args) -> int:
         interrupt.signum = stopped[0]
         raise interrupt
     return 0
+
+
+class _Screen:
+    """One completion written to a terminal as it is decoded: the text so far, less what may still change (a
+    character whose bytes are not all decoded yet, the start of the --stop text)."""
+
+    def __init__(self, stop: str):
+        self.stop, self.shown = stop, ""
+
+    def show(self, text: str) -> None:
+        if self.stop and self.stop in text:
+            text = text[:text.index(self.stop)]
+        elif self.stop:
+            text = text[:max(len(text) - len(self.stop) + 1, 0)]
+        text = text.rstrip("\ufffd")  # a character cut between two tokens
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, text: str) -> None:
+        """The whole completion: what is not shown yet, or all of it on a line of its own where the decoded text
+        changed under what was shown."""
+        sys.stdout.write((text[len(self.shown):] if text.startswith(self.shown) else "\n" + text) + "\n")
 
 
 def _top_p(text: str) -> float:
@@ -181,7 +211,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="text from a run's model, an export dir or hf:DIR (a KV cache)")
     p.add_argument("src", help="a run's work dir (its inner model), an export dir, or hf:DIR")
     q = p.add_mutually_exclusive_group(required=True)
-    q.add_argument("--prompt", help="one prompt (text)")
+    q.add_argument("--prompt", help="one prompt (text); on a terminal the completion shows as it is decoded")
     q.add_argument("--prompts", metavar="FILE", help="JSON lines, each {\"prompt\": TEXT} or {\"messages\": [...]}; "
                                                      "the output is JSON lines too")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template (a "
@@ -197,5 +227,6 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=common.nonnegative_int, default=0, help="0 (or above the vocabulary): all tokens")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1: all tokens")
     p.add_argument("--seed", type=common.nonnegative_int, default=0)
-    p.add_argument("--stop", default=None, help="cut each completion at the first occurrence of this text")
+    p.add_argument("--stop", default=None, help="cut each completion at the first occurrence of this text; decoding "
+                   "ends once every completion holds it")
     p.set_defaults(fn=cmd_generate)

