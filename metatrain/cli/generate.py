@@ -148,10 +148,12 @@ def cmd_generate(args) -> int:
         for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
                                     args.top_p, args.seed, eos=eos):
             out = so_far
-            texts = [tok.decode([t for t in new if t not in eos]) for new in so_far]
+            if stopped:
+                break
+            texts = [tok.decode([t for t in new if t not in eos]) for new in so_far] if screen or args.stop else []
             if screen is not None:
                 screen.show(texts[0])
-            if stopped or (args.stop and all(args.stop in text for text in texts)):  # no more to print
+            if args.stop and all(args.stop in text for text in texts):  # every completion is cut: no more to print
                 break
     finally:
         for s, handler in noted.items():
