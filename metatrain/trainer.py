@@ -38,6 +38,13 @@ from metatrain.tracking import MetricsLog, require_wandb
 
 AUTO_CHOICE = "mode_auto.json"  # in the log dir: metagrad `auto`'s choice, which a resumed start takes again
 
+def data_derived(cfg: Config, streams: Streams) -> Config:
+    """`cfg` as its run has it once the data is open: the model's vocabulary the tokenizer's, the data's format the
+    one the sources hold (`metatrain compile --config` compiles the same program)."""
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=streams.tokenizer.vocab_size),
+                               data=dataclasses.replace(cfg.data, format=streams.format))
+
+
 class _StoppedWaiting(BaseException):
     """A stop signal while the run waits for data (a BaseException, as KeyboardInterrupt is: no reader's `except
     Exception` keeps it from reaching `Trainer.train`)."""
@@ -74,9 +81,7 @@ class Trainer:
             raise ConfigError(f"data.batch: {cfg.data.batch} does not divide over the {n_batch_shards} "
                               f"data x fsdp devices; use a multiple of {n_batch_shards}")
         self.streams = Streams(cfg.data)
-        # the model's vocabulary follows the tokenizer; the data's format is the one the sources hold
-        self.cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=self.streams.tokenizer.vocab_size),
-                                       data=dataclasses.replace(cfg.data, format=self.streams.format))
+        self.cfg = data_derived(cfg, self.streams)
         self._features = device_features(self.cfg.data)
         self.program = self._program()
         self.task = self.program.task

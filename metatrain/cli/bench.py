@@ -147,15 +147,90 @@ def cmd_bench_fit(args) -> int:
     return 0
 
 
+COMPILE_DEFAULTS = {"task": "maml", "model": "44m", "seq_len": 2048, "batch": 4, "inner_steps": 2, "mode": "mixflow",
+                    "fsdp": -1, "kept_states": "every_step"}
+PROBLEM_FLAGS = {"task": "--task", "model": "--model", **{f: flag for f, flag in common.MODEL_FLAGS.items()},
+                 "attention": "--attention", "attention_block": "--attention-block",
+                 "compute_dtype": "--compute-dtype", "no_scan_layers": "--no-scan-layers",
+                 "kept_states": "--kept-states", "seq_len": "--seq-len", "batch": "--batch",
+                 "inner_steps": "--inner-steps", "mode": "--mode", "fsdp": "--fsdp", "no_remat": "--no-remat"}
+
+
+def _compile_config(args):
+    """(the run config `compile` compiles, the model's name): the --config run's (the problem flags refused
+    beside it), else the problem the flags describe."""
+    from metatrain import config as config_lib
+
+    if args.config is None:
+        for dest, value in COMPILE_DEFAULTS.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, value)
+        model = common.model(args, remat=not args.no_remat)
+        return _config(args, model, [f"metagrad.mode={args.mode}", f"metagrad.kept_states={args.kept_states}",
+                                     f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides]), args.model
+    given = [flag for dest, flag in PROBLEM_FLAGS.items() if getattr(args, dest) not in (None, False)]
+    if given:
+        raise ConfigError(f"{given[0]} with --config: the run config gives the task, model, shapes and mesh; change "
+                          f"them as overrides after it (e.g. data.batch=8 model.n_layers=4 metagrad.mode=autodiff "
+                          f"mesh.fsdp=-1)")
+    from metatrain.data.pipeline import Streams
+    from metatrain.run import PRETRAIN
+    from metatrain.trainer import data_derived
+
+    config = paths.local(args.config)
+    workdir = os.path.isdir(config) and config
+    if workdir:
+        config = os.path.join(workdir, "config.yaml")
+        if not os.path.isfile(config):
+            raise ConfigError(f"--config {args.config}: a folder without config.yaml; give a run's work dir, a YAML "
+                              f"file or a preset")
+    elif not os.path.exists(config):
+        config = args.config  # a preset's name
+    config_lib.check_syntax(args.overrides)
+    try:
+        cfg = config_lib.load(config, list(args.overrides))
+    except ConfigError as e:  # "preset: no config 'x'" is --config's
+        if not str(e).startswith("preset: "):
+            raise
+        raise ConfigError(f"--config: {str(e).removeprefix('preset: ')}") from None
+    if config_lib.AUTO in (cfg.metagrad.mode, cfg.metagrad.kept_states):
+        raise ConfigError("metagrad.mode / metagrad.kept_states auto: a run picks one when it starts, by compiling "
+                          "each; name one to compile (metagrad.mode=mixflow metagrad.kept_states=every_step), or "
+                          "compare them with `metatrain bench memory`")
+    if not args.topology:  # this machine's CPU split into devices as `train` splits it (before JAX starts)
+        from metatrain import platforms
+        from metatrain.sharding import cpu_device_count, split_cpu
+
+        if not platforms.backends_started():
+            split_cpu(cpu_device_count(cfg.mesh, cfg.data.batch, cfg.population.axis))
+    if workdir and _run_kind(workdir) == PRETRAIN:
+        raise ConfigError(f"--config {args.config}: a `metatrain pretrain` run; compile compiles meta-training's "
+                          f"outer step (inner.init_from={args.config} starts one from it)")
+    return data_derived(cfg, Streams(cfg.data)), args.config
+
+
+def _run_kind(workdir: str) -> str | None:
+    """A work dir's kind of run (pretrain or meta-train), where it has a checkpoint to tell it by."""
+    from metatrain import workdir as workdir_lib
+    from metatrain.errors import MetatrainError
+    from metatrain.run import Run
+
+    if workdir_lib.latest_step(workdir) is None:
+        return None
+    try:
+        return Run.open(workdir, say=lambda _: None).kind
+    except MetatrainError:
+        return None
+
+
 def cmd_compile(args) -> int:
     from metatrain.aot import GiB, gpu_memory_fraction
     from metatrain.bench.compile import compile_report
 
-    model = common.model(args, remat=not args.no_remat)
-    cfg = _config(args, model, [f"metagrad.mode={args.mode}", f"metagrad.kept_states={args.kept_states}",
-                                f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides])
+    cfg, name = _compile_config(args)
+    model = cfg.model
     where = args.topology or "this machine's devices"
-    print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.metagrad.mode} model={args.model} "
+    print(f"compiling the outer step for {where}: task={cfg.task} mode={cfg.metagrad.mode} model={name} "
           f"({model.n_layers} layers, d={model.d_model}) B={cfg.data.batch} S={cfg.data.seq_len} "
           f"T={cfg.data.inner_steps}", flush=True)
     try:
@@ -165,7 +240,8 @@ def cmd_compile(args) -> int:
         if n is None:
             raise
         devices = f"{n} device{'s' * (n != 1)} " + (f"of {args.topology}" if args.topology else "here")
-        raise ConfigError(f"--fsdp {args.fsdp} does not divide the {devices}; give one of "
+        fsdp = f"--fsdp {args.fsdp}" if args.config is None else f"mesh.fsdp={cfg.mesh.fsdp}"
+        raise ConfigError(f"{fsdp} does not divide the {devices}; give one of "
                           f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}, or -1 (all of them)") from None
     print(f"meta-gradient: {r['plan']}")
     hbm = (f"; HBM per chip {r['hbm_bytes'] / GiB:.2f} GiB" if r["backend"] == "tpu" else
@@ -280,12 +356,17 @@ def register(sub) -> None:
     p = sub.add_parser("compile", help="compile the run's outer step ahead of time (for a TPU topology with libtpu "
                                        "or NVIDIA GPUs with JAX's CUDA plugin, no device needed, or for this "
                                        "machine); per-device memory; exit 1 if it does not fit")
-    common.add_problem_args(p, model="44m", seq_len=2048, batch=4, inner_steps=2)
+    common.add_problem_args(p, model=None, seq_len=None, batch=None, inner_steps=None, task=None, kept_states=None)
     p.add_argument("--topology", default=None, help="e.g. v5p:2x2x1, v5p:4x4x4, h100, h200:8 (default: this "
                                                     "machine's devices)")
-    p.add_argument("--mode", default="mixflow", choices=MODES, type=lambda m: mode_name(m, "--mode {}"))
-    p.add_argument("--fsdp", type=argtypes.mesh_size, default=-1,
+    p.add_argument("--mode", default=None, choices=MODES, type=lambda m: mode_name(m, "--mode {}"))
+    p.add_argument("--fsdp", type=argtypes.mesh_size, default=None,
                    help="fsdp mesh axis size (-1 = all devices); data = the rest")
     p.add_argument("--no-remat", action="store_true", help="no per-block rematerialisation")
+    p.add_argument("--config", metavar="RUN_CONFIG", default=None,
+                   help="compile a run's own config instead of the problem these flags describe: a preset, a YAML "
+                        "file or a work dir (its config.yaml), as `train` takes it, with the overrides on top; its "
+                        "mesh as the run has it (default flags: task maml, model 44m, S 2048, B 4, T 2, mixflow, "
+                        "fsdp over all devices)")
     p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. metagrad.save_inner_grads=false")
     p.set_defaults(fn=cmd_compile)

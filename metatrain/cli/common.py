@@ -48,23 +48,26 @@ def read_rows(path) -> list[dict]:
     return [upgrade_row(r) for r in rows]
 
 
-def add_problem_args(p: argparse.ArgumentParser, model: str, seq_len: int, batch: int, inner_steps: int,
-                     model_flags: bool = True) -> None:
-    p.add_argument("--task", default="maml", help=TASK_HELP)
+def add_problem_args(p: argparse.ArgumentParser, model: str | None, seq_len: int | None, batch: int | None,
+                     inner_steps: int | None, model_flags: bool = True, task: str | None = "maml",
+                     kept_states: str | None = "every_step") -> None:
+    """The problem's flags (task, model, batch shapes, model options) with these defaults; None: given or not is
+    told apart (`compile --config` refuses them), the command sets the value."""
+    p.add_argument("--task", default=task, help=TASK_HELP)
     if model_flags:
         p.add_argument("--model", default=model, help=f"a preset: {', '.join(SMALL_PRESETS)}, a ladder size "
                                                       f"({', '.join(LADDER)}), or a pretrained model's shape "
                                                       f"({', '.join(PRETRAINED_SHAPES)})")
         for field, flag in MODEL_FLAGS.items():
             p.add_argument(flag, dest=field, type=positive_int, default=None, help=f"override the preset's {field}")
-    add_model_option_args(p)
+    add_model_option_args(p, kept_states)
     p.add_argument("--seq-len", type=positive_int, default=seq_len)
     p.add_argument("--batch", type=positive_int, default=batch)
     p.add_argument("--inner-steps", type=positive_int, default=inner_steps)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
-def add_model_option_args(p: argparse.ArgumentParser) -> None:
+def add_model_option_args(p: argparse.ArgumentParser, kept_states: str | None = "every_step") -> None:
     p.add_argument("--attention", choices=["dense", "blockwise"], default=None,
                    help="override the preset's (a variant's +blockwise wins)")
     p.add_argument("--attention-block", type=positive_int, default=None, help="block size of blockwise attention")
@@ -73,7 +76,7 @@ def add_model_option_args(p: argparse.ArgumentParser) -> None:
                         "a variant's +bf16 wins")
     p.add_argument("--no-scan-layers", action="store_true",
                    help="the blocks as straight-line code, not a loop (model.scan_layers=false, as the main job)")
-    p.add_argument("--kept-states", choices=KEPT_STATES, default="every_step",
+    p.add_argument("--kept-states", choices=KEPT_STATES, default=kept_states,
                    help="inner states kept for the backward pass (a variant's +sqrt / +binomial wins)")
     p.add_argument("--inner-checkpoint", dest="kept_states", choices=KEPT_STATES, help=argparse.SUPPRESS,
                    type=lambda v: renamed("--inner-checkpoint", "--kept-states") or v)  # its name until a rename

@@ -97,6 +97,8 @@ def test_a_pretrain_run_is_its_model(tmp_path, capsys):
     assert run.kind == "pretrain" and set(run.saved) >= {"params"}
     with pytest.raises(ConfigError, match="pretrain run"):
         run.meta_training()
+    assert cli.main(["compile", "--config", str(tmp_path / "base")]) == 2  # compile compiles meta-training's step
+    assert "a `metatrain pretrain` run; compile compiles meta-training's outer step" in capsys.readouterr().err
     params = run.restored("params")
     batch = {"tokens": np.ones((2, 9), np.int32), "segment_ids": np.ones((2, 9), np.int32),
              "positions": np.tile(np.arange(9, dtype=np.int32), (2, 1))}

@@ -9,7 +9,7 @@ import struct
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, saved_state
+from helpers import TINY, one_line_error, saved_state
 
 from metatrain import cli
 from metatrain import config as config_lib
@@ -147,6 +147,33 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     # a different program is told apart: block remat on changes the temporaries
     assert cli.main(["compile", *model_flags, "--json", str(tmp_path / "other.json"), *same_run]) == 0
     assert json.loads((tmp_path / "other.json").read_text())["temp_bytes"] != trainer["temp_bytes"]
+
+
+def test_compile_config_compiles_the_runs_own_program(shared_run, tmp_path, capsys):
+    """`metatrain compile --config WORKDIR` compiles the run's own config (its saved config.yaml holds the model's
+    default vocabulary: the run's follows its tokenizer's 300 ids, as here): the program the Trainer compiled, to
+    the byte. Beside --config the problem flags are refused, and what is not a run config is named."""
+    trainer = json.loads((shared_run["workdir"] / "outer_step.json").read_text())
+    assert cli.main(["compile", "--config", str(shared_run["workdir"]), "--json", str(tmp_path / "c.json")]) == 0
+    compiled = json.loads((tmp_path / "c.json").read_text())
+    keys = ("mesh", "plan", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
+    assert [trainer[k] for k in keys] == [compiled[k] for k in keys]
+    assert compiled["model"]["vocab_size"] == 300 and "model=" + str(shared_run["workdir"]) in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "auto.yaml").write_text("metagrad:\n  mode: auto\n")
+    for argv, says in [(["--batch", "8"], "--batch with --config: the run config gives the task, model, shapes and "
+                                          "mesh; change them as overrides after it (e.g. data.batch=8"),
+                       (["--model", "44m"], "--model with --config"),
+                       (["--no-remat"], "--no-remat with --config"),
+                       (["data.batch=16", "mesh"], "override 'mesh': write overrides as key=value"),
+                       ]:
+        assert cli.main(["compile", "--config", str(shared_run["workdir"]), *argv]) == 2
+        one_line_error(capsys.readouterr().err, says)
+    for config, says in [(tmp_path / "empty", "a folder without config.yaml; give a run's work dir, a YAML file"),
+                         ("nothere", "--config: no config 'nothere'; choose one of"),
+                         (tmp_path / "auto.yaml", "metagrad.mode / metagrad.kept_states auto: a run picks one")]:
+        assert cli.main(["compile", "--config", str(config)]) == 2
+        one_line_error(capsys.readouterr().err, says)
 
 
 @pytest.mark.slow
