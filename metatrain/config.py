@@ -475,13 +475,17 @@ def check(preset: str | None = None, overrides: list[str] = ()) -> Config:
     return validate(_merged(preset, overrides)[0], local_files=False)
 
 
-def check_syntax(overrides: list[str], takes_preset: bool = True) -> None:
+PRESET_FIRST = "a preset goes first, before the overrides"
+NO_PRESET = "this command takes no preset or run dir: the model and shapes come from its flags, see --help"
+
+
+def check_syntax(overrides: list[str], bare: str = PRESET_FIRST) -> None:
     """Refuse an override that is not `key=value`, in one line.
 
     Args:
       overrides: the command's overrides.
-      takes_preset: whether the command takes a preset (or YAML path) before its overrides; without one (`compile`,
-        `bench`, `check-grads`) a bare word is told that the model and shapes come from the command's flags.
+      bare: what a bare word (no `=`) is told: where the command takes a preset (`train`) or a run config instead
+        (`NO_PRESET` for `bench` and `check-grads`).
 
     Raises:
       ConfigError: the first override that is not `key=value`.
@@ -489,10 +493,7 @@ def check_syntax(overrides: list[str], takes_preset: bool = True) -> None:
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if not bad:
         return
-    hint = ""
-    if "=" not in bad[0]:
-        hint = (" (a preset goes first, before the overrides)" if takes_preset else
-                " (this command takes no preset or run dir: the model and shapes come from its flags, see --help)")
+    hint = f" ({bare})" if "=" not in bad[0] else ""
     raise ConfigError(f"override {bad[0]!r}: write overrides as key=value, e.g. steps=100{hint}")
 
 

@@ -406,6 +406,12 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("check-grads of an unknown task", ["check-grads", "--task", "nope"], "unknown task"))
     out.append(Probe("check-grads of an unknown mode", ["check-grads", "--modes", "fast"], "fast"))
     out.append(Probe("bench memory of an unknown variant", ["bench", "memory", "--variants", "fast"], "fast"))
+    out.append(Probe("compile a run dir without --config", ["compile", "runs/mine"], "goes after --config"))
+    out.append(Probe("compile --config with --batch", ["compile", "--config", "maml", "--batch", "8"],
+                     "--batch with --config"))
+    out.append(Probe("compile --config of a folder without config.yaml", ["compile", "--config", "adir"],
+                     "a folder without config.yaml", setup=lambda d: (d / "adir").mkdir()))
+    out.append(Probe("compile --config of an unknown preset", ["compile", "--config", "nope"], "--config: no config"))
 
     # Hugging Face checkpoints, damaged
     if hf:

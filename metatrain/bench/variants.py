@@ -139,7 +139,7 @@ def run_config(task: str, model: ModelConfig, seq_len: int, batch: int, inner_st
                overrides: list[str] = (), variant: Variant | None = None) -> Config:
     """The run config of a benchmark: `task` on `model` with these batch shapes (and `key=value` overrides, e.g.
     `mesh.fsdp=-1`), computing its meta-gradient as `variant` does."""
-    config_lib.check_syntax(overrides, takes_preset=False)
+    config_lib.check_syntax(overrides, config_lib.NO_PRESET)
     if "metagrad.kept_states=auto" in overrides or "metagrad.mode=auto" in overrides:
         raise ConfigError("metagrad.mode / metagrad.kept_states: `auto` is for training runs; name the variants to "
                           "compare instead, e.g. mixflow+remat+save,mixflow+remat+save+sqrt")

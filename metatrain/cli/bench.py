@@ -161,6 +161,8 @@ def _compile_config(args):
     beside it), else the problem the flags describe."""
     from metatrain import config as config_lib
 
+    config_lib.check_syntax(args.overrides, "a run config goes after --config: a preset, a YAML file or a work dir; "
+                                            "else the model and shapes come from the flags, see --help")
     if args.config is None:
         for dest, value in COMPILE_DEFAULTS.items():
             if getattr(args, dest) is None:
@@ -186,7 +188,6 @@ def _compile_config(args):
                               f"file or a preset")
     elif not os.path.exists(config):
         config = args.config  # a preset's name
-    config_lib.check_syntax(args.overrides)
     try:
         cfg = config_lib.load(config, list(args.overrides))
     except ConfigError as e:  # "preset: no config 'x'" is --config's

@@ -11,13 +11,13 @@ from metatrain.mixflow import MODES
 
 def cmd_check_grads(args) -> int:
     from metatrain import checkgrads
-    from metatrain.config import check_syntax, load, meta_model_config
+    from metatrain.config import NO_PRESET, check_syntax, load, meta_model_config
     from metatrain.errors import ConfigError
     from metatrain.tasks import task_class
 
     task_class(args.task)  # a task that does not load: one line before the header
     model, data = common.model(args), common.data_shapes(args)
-    check_syntax(args.overrides, takes_preset=False)
+    check_syntax(args.overrides, NO_PRESET)
     cfg = load(None, list(args.overrides))  # inner.lora.*, meta_model.*: as a run would take them
     cfg = dataclasses.replace(cfg, model=model)
     lora = cfg.inner.lora if cfg.inner.lora.rank > 0 else None

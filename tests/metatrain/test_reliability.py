@@ -182,12 +182,18 @@ def test_a_value_for_a_whole_group_names_its_keys(tmp_path, capsys, override, me
     one_line_error(err, message)
 
 
-@pytest.mark.parametrize("command", [["compile"], ["check-grads"], ["bench", "memory"]])
-def test_a_bare_word_where_no_preset_is_taken_says_the_flags_give_the_model(capsys, command):
+@pytest.mark.parametrize("command,says", [
+    (["compile"], "(a run config goes after --config: a preset, a YAML file or a work dir; else the model and shapes "
+                  "come from the flags, see --help)"),
+    (["check-grads"], "(this command takes no preset or run dir: the model and shapes come from its flags, see "
+                      "--help)"),
+    (["bench", "memory"], "(this command takes no preset or run dir"),
+])
+def test_a_bare_word_where_no_preset_is_taken_says_the_flags_give_the_model(capsys, command, says):
     """`metatrain compile runs/mine` was told that a preset goes first, which these commands do not take."""
     assert cli.main([*command, "runs/mine"]) == 2
     one_line_error(capsys.readouterr().err, "override 'runs/mine': write overrides as key=value, e.g. steps=100 "
-                   "(this command takes no preset or run dir: the model and shapes come from its flags, see --help)")
+                   + says)
 
 
 # ---- 3. one run per work dir --------------------------------------------------------------------------
