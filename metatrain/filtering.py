@@ -252,14 +252,14 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     part, parts = jax.process_index(), jax.process_count()
     main = part == 0
     distributed.barrier("filter:checked")  # every process has checked OUT before process 0 makes it
-    if main:
-        if stranded:
-            print(f"filter: starting again in {out}, which an interrupted filter left unfinished", file=sys.stderr)
-            shutil.rmtree(staging)
-        os.makedirs(staging)
-    distributed.barrier("filter:made")
     tic = time.perf_counter()
-    try:
+    try:  # from the making of OUT on: a signal at any point (the barrier below starts JAX) takes it away
+        if main:
+            if stranded:
+                print(f"filter: starting again in {out}, which an interrupted filter left unfinished", file=sys.stderr)
+                shutil.rmtree(staging)
+            os.makedirs(staging)
+        distributed.barrier("filter:made")
         mine = records.share(kind, files, part, parts)
         score_file = os.path.join(staging, f"scores-{part:05d}.bin")
         docs, tokens = _score_pass(run, kind, files, mine, pipeline.fields(run.cfg.data), score_file, score_batch,

@@ -226,6 +226,22 @@ def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_ru
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.jsonl"]
 
 
+def test_a_stop_right_after_out_is_made_takes_it_away(shared_run, tmp_path, monkeypatch, capsys):
+    """A signal between the making of OUT/.parts and the scoring (the barrier after it starts JAX's backends: the
+    moment a scheduler's SIGTERM came in the test above, once) left OUT behind, and the next run was refused."""
+    from metatrain import distributed
+
+    def barrier(name, timeout=1800):
+        if name == "filter:made":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(distributed, "barrier", barrier)
+    path, _ = _corpus(tmp_path, n_docs=8)
+    out = tmp_path / "cur"
+    assert _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3") == 130
+    assert "metatrain filter: stopped by SIGINT" in capsys.readouterr().err and not out.exists()
+
+
 def test_an_unexpected_error_leaves_no_output(shared_run, tmp_path, monkeypatch):
     """Any error while filtering (here a bug's AttributeError in the scoring pass, as a library's failed clean-up
     after a signal raises) takes OUT away, as a bad record or Ctrl-C does; the error itself is not hidden."""
