@@ -200,8 +200,8 @@ def staged_file(path: str):
     """Write `path` through `path.tmp`: the block writes the temporary file, which replaces `path` at the end; an
     error or a signal (KeyboardInterrupt) in the block removes it, so nothing half-written is ever left."""
     tmp, first = f"{path}.tmp", _first_missing(os.path.dirname(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
+    try:  # from the making of its folders on: a signal at any point takes them away
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with naming(path):  # the file it was for
             yield tmp
         os.replace(tmp, path)
@@ -226,8 +226,8 @@ def filled_dir(path: str):
     put there (the whole directory when the block made it), so a re-run finds it as it was."""
     first = _first_missing(path)
     before = set() if first else set(os.listdir(path))
-    os.makedirs(path, exist_ok=True)
-    try:
+    try:  # from the making of the folder on: a signal at any point takes it away
+        os.makedirs(path, exist_ok=True)
         with naming(path):  # a write to an open file (a full disk): the folder
             yield path
     except BaseException:

@@ -64,3 +64,19 @@ def test_a_write_a_full_disk_refused_names_the_output_and_leaves_nothing(tmp_pat
     with pytest.raises(OSError) as raised, paths.filled_dir(str(tmp_path / "dir")):
         raise OSError(errno.ENOSPC, "No space left on device")
     assert raised.value.filename == str(tmp_path / "dir") and not (tmp_path / "dir").exists()
+
+
+@pytest.mark.parametrize("staged", [paths.staged_file, paths.filled_dir])
+def test_a_stop_as_the_folders_are_made_leaves_none_of_them(tmp_path, monkeypatch, staged):
+    """A signal right after the folders for an output are made (before the block that fills them) left them there."""
+    real = os.makedirs
+
+    def makedirs(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paths.os, "makedirs", makedirs)
+    target = tmp_path / "new" / "deeper" / ("out.jsonl" if staged is paths.staged_file else "out")
+    with pytest.raises(KeyboardInterrupt), staged(str(target)):
+        pass
+    assert list(tmp_path.iterdir()) == []
