@@ -149,11 +149,7 @@ def cmd_bench_fit(args) -> int:
 
 COMPILE_DEFAULTS = {"task": "maml", "model": "44m", "seq_len": 2048, "batch": 4, "inner_steps": 2, "mode": "mixflow",
                     "fsdp": -1, "kept_states": "every_step"}
-PROBLEM_FLAGS = {"task": "--task", "model": "--model", **{f: flag for f, flag in common.MODEL_FLAGS.items()},
-                 "attention": "--attention", "attention_block": "--attention-block",
-                 "compute_dtype": "--compute-dtype", "no_scan_layers": "--no-scan-layers",
-                 "kept_states": "--kept-states", "seq_len": "--seq-len", "batch": "--batch",
-                 "inner_steps": "--inner-steps", "mode": "--mode", "fsdp": "--fsdp", "no_remat": "--no-remat"}
+NOT_PROBLEM = ("help", "topology", "json", "config")  # compile's flags that do not describe the problem
 
 
 def _compile_config(args):
@@ -170,7 +166,8 @@ def _compile_config(args):
         model = common.model(args, remat=not args.no_remat)
         return _config(args, model, [f"metagrad.mode={args.mode}", f"metagrad.kept_states={args.kept_states}",
                                      f"mesh.fsdp={args.fsdp}", "mesh.data=-1", *args.overrides]), args.model
-    given = [flag for dest, flag in PROBLEM_FLAGS.items() if getattr(args, dest) not in (None, False)]
+    given = [a.option_strings[0] for a in args.command_parser._actions
+             if a.option_strings and a.dest not in NOT_PROBLEM and getattr(args, a.dest) not in (None, False)]
     if given:
         raise ConfigError(f"{given[0]} with --config: the run config gives the task, model, shapes and mesh; change "
                           f"them as overrides after it (e.g. data.batch=8 model.n_layers=4 metagrad.mode=autodiff "
