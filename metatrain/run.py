@@ -133,6 +133,19 @@ class Run:
                             f"or `metatrain pretrain`")
         return cls(workdir, config_lib.load(workdir_lib.config_path(workdir), pretrained=False), checkpoint)
 
+    @classmethod
+    def kind_of(cls, workdir: str) -> str | None:
+        """The kind of run in `workdir` (`pretrain` or `meta-train`) where a checkpoint tells it; None where none
+        does (no checkpoint yet, none intact, no config.yaml: the command that opens the run says what is wrong)."""
+        from metatrain.errors import MetatrainError
+
+        if workdir_lib.latest_step(workdir) is None:
+            return None
+        try:
+            return cls.open(workdir, say=lambda _: None).kind
+        except MetatrainError:
+            return None
+
     @property
     def kind(self) -> str:
         """`pretrain` (its state is the model's `params`) or `meta-train`."""

@@ -173,7 +173,7 @@ def _compile_config(args):
                           f"them as overrides after it (e.g. data.batch=8 model.n_layers=4 metagrad.mode=autodiff "
                           f"mesh.fsdp=-1)")
     from metatrain.data.pipeline import Streams
-    from metatrain.run import PRETRAIN
+    from metatrain.run import PRETRAIN, Run
     from metatrain.trainer import data_derived
 
     config = paths.local(args.config)
@@ -201,24 +201,10 @@ def _compile_config(args):
 
         if not platforms.backends_started():
             split_cpu(cpu_device_count(cfg.mesh, cfg.data.batch, cfg.population.axis))
-    if workdir and _run_kind(workdir) == PRETRAIN:
+    if workdir and Run.kind_of(workdir) == PRETRAIN:
         raise ConfigError(f"--config {args.config}: a `metatrain pretrain` run; compile compiles meta-training's "
                           f"outer step (inner.init_from={args.config} starts one from it)")
     return data_derived(cfg, Streams(cfg.data)), args.config
-
-
-def _run_kind(workdir: str) -> str | None:
-    """A work dir's kind of run (pretrain or meta-train), where it has a checkpoint to tell it by."""
-    from metatrain import workdir as workdir_lib
-    from metatrain.errors import MetatrainError
-    from metatrain.run import Run
-
-    if workdir_lib.latest_step(workdir) is None:
-        return None
-    try:
-        return Run.open(workdir, say=lambda _: None).kind
-    except MetatrainError:
-        return None
 
 
 def cmd_compile(args) -> int:

@@ -14,15 +14,11 @@ from metatrain.export import FORMATS, WHATS
 def _refuse_the_other_kind(command: str, workdir: str) -> None:
     """`train` on a pretrain run's work dir (or `pretrain` on a meta-training run's) is refused before compiling,
     saying which command continues it."""
-    from metatrain import workdir as workdir_lib
-    from metatrain.errors import ConfigError, MetatrainError
+    from metatrain.errors import ConfigError
     from metatrain.run import PRETRAIN, Run
 
-    if workdir_lib.latest_step(workdir) is None:
-        return
-    try:
-        kind = Run.open(workdir, say=lambda _: None).kind
-    except MetatrainError:  # no config.yaml, no intact checkpoint: `run_config` or the Trainer says what is wrong
+    kind = Run.kind_of(workdir)
+    if kind is None:  # no run yet; or no config.yaml, no intact checkpoint: `run_config` or the Trainer says so
         return
     other = "train" if command == "pretrain" else "pretrain"
     if (kind == PRETRAIN) != (command == "pretrain"):
