@@ -1,4 +1,5 @@
-"""argparse types for numbers in a range, shared by the `metatrain` commands and the launchers.
+"""argparse types for numbers in a range and for text that must not be empty, shared by the `metatrain` commands
+and the launchers.
 
 Standard library only: the launchers (`python -m metatrain.launch.local`) parse their flags without importing JAX.
 Each raises `argparse.ArgumentTypeError`, which argparse prints as one line naming the flag.
@@ -83,3 +84,33 @@ def fraction(what: str, zero: bool = False):
         return value
 
     return parse
+
+
+def given(action: argparse.Action, required: bool = False):
+    """An argparse type for `action`'s text: refused when empty (an unset shell variable leaves '', which would
+    otherwise stand for the argument's default, or for a path named ''), else as it is. `required`: the flag is one
+    of a required group (a flag of the group must be given)."""
+    if action.option_strings and not (action.required or required):
+        fix = f"give one, or leave out {action.option_strings[0]} for its default"
+    elif action.nargs in ("*", "?"):
+        fix = "give one, or leave it out"
+    else:
+        fix = "give one"
+
+    def parse(text: str) -> str:
+        if text == "":
+            raise argparse.ArgumentTypeError(f"empty (as an unset shell variable leaves it); {fix}")
+        return text
+
+    return parse
+
+
+def refuse_empty(parser: argparse.ArgumentParser) -> None:
+    """Gives every text argument of `parser` that has no type of its own the type `given` (not those with choices,
+    which name what they take, nor those whose default is '' already)."""
+    grouped = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+    for action in parser._actions:
+        if (action.type is None and action.nargs not in (0, argparse.REMAINDER, argparse.SUPPRESS)
+                and not action.choices and action.default != "" and action.dest != "help"
+                and not isinstance(action, argparse._SubParsersAction)):
+            action.type = given(action, action in grouped)

@@ -338,6 +338,14 @@ def probes(f: dict) -> list[Probe]:
                      user_files=("afile",)))
     out.append(Probe("experiment into a file", ["experiment", "curation", "afile", "--scale", "micro"], "is a file",
                      setup=afile, user_files=("afile",)))
+    # an argument given as '' (an unset shell variable): it stood for the default, or for a path named ''
+    for name, argv in (("make-noisy --out ''", ["data", "make-noisy", "--out", ""]),
+                       ("scores --data ''", ["scores", run, "--data", "", "--out", "s.jsonl"]),
+                       ("export --out ''", ["export", run, "--out", ""]),
+                       ("compile --config ''", ["compile", "--config", ""]),
+                       ("train ''", ["train", "", "steps=1"]),
+                       ("eval ''", ["eval", ""])):
+        out.append(Probe(f"an empty argument: {name}", argv, "empty (as an unset shell variable leaves it)"))
     gen = lambda *extra: ["generate", run, *extra]
     out.append(Probe("generate an empty prompt", gen("--prompt", ""), "empty"))
     out.append(Probe("generate --prompts missing", gen("--prompts", "none.jsonl"), "not found"))

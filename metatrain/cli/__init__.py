@@ -20,7 +20,7 @@ import threading
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-from metatrain import collector, platforms
+from metatrain import argtypes, collector, platforms
 from metatrain.errors import MetatrainError, RenamedWarning
 
 with collector.paused():  # importing the commands' libraries (JAX, Flax, Orbax, ...) leaves nothing to collect
@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     _describe(sub)
     for name, command in sub.choices.items():  # `bench memory`, `data stats`, ...: named in full, as argparse does
         command.set_defaults(command_parser=command)
+        argtypes.refuse_empty(command)
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 action.metavar = "{" + ",".join(action.choices) + "}"
                 _describe(action)
                 for leaf, leaf_parser in action.choices.items():
                     leaf_parser.set_defaults(command_name=f"{name} {leaf}", command_parser=leaf_parser)
+                    argtypes.refuse_empty(leaf_parser)
     return parser
 
 

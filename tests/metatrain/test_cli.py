@@ -134,6 +134,46 @@ def test_an_unknown_flag_is_named_by_its_commands_parser(argv, says, capsys):
     assert e.value.code == 2 and err[-1] == says and err[0].startswith(f"usage: metatrain {argv[0]}"), err
 
 
+EMPTY = "empty (as an unset shell variable leaves it)"
+
+
+@pytest.mark.parametrize("argv, says", [
+    # a traceback (FileNotFoundError: '')
+    (["data", "make-noisy", "--out", ""], f"argument --out: {EMPTY}; give one"),
+    (["data", "make-chat", "--out", ""], f"argument --out: {EMPTY}; give one"),
+    # the default instead: the run's own data, its scores.jsonl, its export dir, the built-in corpus
+    (["scores", "run", "--data", "", "--out", "s.jsonl"], f"argument --data: {EMPTY}; give one, or leave out --data "
+                                                          "for its default"),
+    (["scores", "run", "--out", ""], f"argument --out: {EMPTY}; give one, or leave out --out for its default"),
+    (["export", "run", "--out", ""], f"argument --out: {EMPTY}"),
+    (["data", "stats", "--source", ""], f"argument --source: {EMPTY}"),
+    # the flags' problem (MAML, 44m) compiled instead of a run config
+    (["compile", "--config", ""], f"argument --config: {EMPTY}"),
+    # an empty preset ran the default one
+    (["train", "", "steps=1"], f"argument overrides: {EMPTY}; give one, or leave it out"),
+    (["pretrain", ""], f"argument overrides: {EMPTY}"),
+    # a path named '': "no such directory", "has no metrics.jsonl", "config.json not found"
+    (["eval", ""], f"argument workdir: {EMPTY}; give one"),
+    (["plot", ""], f"argument WORKDIR: {EMPTY}"),
+    (["import", "hf", "", "--out", "x"], f"argument dir: {EMPTY}"),
+    (["experiment", "curation", ""], f"argument dir: {EMPTY}"),
+    # an empty list checked every variant, as if --variants were not given (then: "unknown mode ''")
+    (["check-grads", "--variants", ""], f"argument --variants: {EMPTY}"),
+    # one of a required pair: no default to fall back on
+    (["generate", "run", "--prompts", ""], f"argument --prompts: {EMPTY}; give one"),
+])
+def test_an_empty_argument_is_refused_before_any_work(argv, says, capsys, tmp_path, monkeypatch):
+    """An argument given as '' (`--out "$OUT"` with OUT unset) is one line naming it, before anything is read or
+    written: it stood for the argument's default, or for a path named ''."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    name = " ".join(argv[:2]) if argv[0] in ("data", "import", "experiment") else argv[0]
+    assert e.value.code == 2 and err[-1].startswith(f"metatrain {name}: error: {says}"), err
+    assert "Traceback" not in "\n".join(err) and not list(tmp_path.iterdir())
+
+
 def test_version_and_a_missing_command_named_by_its_choices(capsys, monkeypatch):
     """There was no --version; a missing command was "the following arguments are required: command" ("bench" for
     `metatrain bench`)."""

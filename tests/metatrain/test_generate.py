@@ -18,9 +18,10 @@ from metatrain.models import decode
 
 def test_bad_prompts_are_one_line(shared_run, tmp_path, capsys):
     run = shared_run["workdir"]
-    code, _, err = _main(capsys, "generate", run, "--prompt", "")
-    assert code == 2
-    one_line_error(err, "generate --prompt", "empty")
+    with pytest.raises(SystemExit) as e:  # argparse's: "argument --prompt: empty ..."
+        _main(capsys, "generate", run, "--prompt", "")
+    assert e.value.code == 2
+    one_line_error(capsys.readouterr().err, "argument --prompt: empty")
     for name, make, says in (("missing.jsonl", None, "not found"), ("empty.jsonl", "\n\n", "holds no prompts"),
                              ("adir", "dir", "is a directory")):
         if make == "dir":

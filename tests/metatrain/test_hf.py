@@ -320,10 +320,13 @@ def test_generate_command_prints_the_models_greedy_text(checkpoints, tmp_path, c
     (tmp_path / "latin.jinja").write_bytes("caf\xe9 {{ messages }}".encode("latin-1"))
     for flags, says in ((["--chat-template", str(tmp_path / "none.jinja")], "generate --chat-template"),
                         (["--chat-template", str(tmp_path / "latin.jinja")],
-                         f"generate --chat-template: {tmp_path / 'latin.jinja'} is not UTF-8 text"),
-                        (["--stop", ""], "generate --stop")):
+                         f"generate --chat-template: {tmp_path / 'latin.jinja'} is not UTF-8 text")):
         assert cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat", *flags]) == 2
         one_line_error(capsys.readouterr().err, says)
+    with pytest.raises(SystemExit) as e:  # argparse's
+        cli.main(["generate", f"hf:{directory}", "--prompt", "hi", "--chat", "--stop", ""])
+    assert e.value.code == 2
+    one_line_error(capsys.readouterr().err, "argument --stop: empty")
 
 
 def test_generate_stops_on_every_eos_id_and_within_the_models_context(checkpoints, tmp_path, capsys):

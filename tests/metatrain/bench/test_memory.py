@@ -173,8 +173,8 @@ def test_cli_bad_variant(capsys):
     (["--grid", "ladder", "--tasks", "maml"], "--tasks is for --grid tasks; add --grid tasks (this run's grid is "
                                               "ladder)"),
     # an empty list ran the default one
-    (["--grid", "tasks", "--tasks", ""], "--tasks '': a comma list of task names, e.g. maml,learned_lr"),
-    (["--grid", "ladder", "--models", ""], "unknown model preset ''"),
+    (["--grid", "tasks", "--tasks", ""], "argument --tasks: empty (as an unset shell variable leaves it)"),
+    (["--grid", "ladder", "--models", ""], "argument --models: empty (as an unset shell variable leaves it)"),
     # a figure matplotlib cannot write failed after every compile (the rows lost without --json)
     (["--plot", "grid.doc"], "grid.doc ends in .doc, which matplotlib does not write"),
     (["--timeline", "t.txt"], "t.txt ends in .txt, which matplotlib does not write"),
