@@ -258,7 +258,11 @@ def test_describing_a_topology_leaves_no_tpu_host_in_the_environment(monkeypatch
 @pytest.mark.parametrize("flags, says", [
     # an installed package (not a checkout) was shipped, and every worker's `pip install -e .` failed on it
     (["--code", "{pkg}"], "--code {pkg}: not a metatrain checkout (no pyproject.toml)"),
-    (["--name", ""], "--name '': a TPU VM's name is a lowercase letter"),
+    # an empty value (an unset shell variable): --code '' shipped the current folder, --zone '' reached gcloud
+    (["--name", ""], "argument --name: empty (as an unset shell variable leaves it); give one"),
+    (["--zone", ""], "argument --zone: empty"),
+    (["--code", ""], "argument --code: empty (as an unset shell variable leaves it); give one, or leave out --code"),
+    (["--include", ""], "argument --include: empty"),
     (["--name", "My VM"], "--name 'My VM': a TPU VM's name is a lowercase letter"),
     (["--name", "mt-"], "--name 'mt-': a TPU VM's name"),
     (["--include", "nope.py"], "--include nope.py: no such file or folder"),  # was exit 1 and no usage prefix
