@@ -54,9 +54,7 @@ def _prompts(args) -> list[tuple[str | list, str]]:
     from metatrain.data.sources import json_record
     from metatrain.errors import ConfigError, DataError
 
-    if args.prompt is not None:
-        if not args.prompt:
-            raise ConfigError("generate --prompt: the prompt is empty; give some text")
+    if args.prompt is not None:  # (never empty: the parser refuses '', `argtypes.given`)
         return [(args.prompt, "--prompt")]
     path = paths.local(args.prompts)
     if not os.path.isfile(path):
@@ -125,12 +123,9 @@ def _check_sizes(cfg, ids: list[list[int]], args, context: int | None) -> None:
 def cmd_generate(args) -> int:
     from metatrain import paths
     from metatrain.data import chat
-    from metatrain.errors import ConfigError
     from metatrain.generation import model as model_of
     from metatrain.models import decode
 
-    if args.stop == "":
-        raise ConfigError("generate --stop: the text is empty; give the text to cut each completion at")
     cfg, params, tok, template, context = _model(args.src, args.what, args.tokenizer)
     if args.chat_template:  # the given template, over a run's data.chat_template and the tokenizer's
         template = paths.local(args.chat_template)
