@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from metatrain.argtypes import given, nonnegative_int, refuse_empty
+from metatrain.argtypes import nonnegative_int, refuse_empty
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE = "metatrain-src.tar.gz"
@@ -275,9 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     spot = p.add_mutually_exclusive_group()
     spot.add_argument("--spot", action="store_true", help="a Spot VM (cheaper, preemptible)")
     spot.add_argument("--preemptible", action="store_true", help="a preemptible VM (not with --queued: use --spot)")
-    code = p.add_argument("--code", type=Path, default=REPO,
-                          help="the metatrain checkout whose working tree is shipped (default: the one this launcher "
-                               "is in)")
+    p.add_argument("--code", type=Path, default=REPO,
+                   help="the metatrain checkout whose working tree is shipped (default: the one this launcher is in)")
     p.add_argument("--include", action="append", default=[], metavar="PATH",
                    help="a file or folder to ship onto the workers' PYTHONPATH (repeatable), e.g. your task module")
     p.add_argument("--remote-dir", default="~/metatrain")
@@ -287,8 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the metatrain command, e.g. train maml")
     refuse_empty(p)  # `--zone "$ZONE"` with ZONE unset: one line here, not gcloud's error after the upload
-    nonempty = given(code)  # (Path('') is the current folder)
-    code.type = lambda text: Path(nonempty(text))
     return p
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 
 def number(kind, low: float, high: float, what: str):
@@ -106,11 +107,12 @@ def given(action: argparse.Action, required: bool = False):
 
 
 def refuse_empty(parser: argparse.ArgumentParser) -> None:
-    """Gives every text argument of `parser` that has no type of its own the type `given` (not those with choices,
-    which name what they take, nor those whose default is '' already)."""
+    """Gives every text argument of `parser` the type `given`: those without a type of its own, and paths
+    (`type=Path`: `Path('')` is the current folder). Not those with choices, which name what they take (subcommands
+    included), nor those whose default is '' already."""
     grouped = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
     for action in parser._actions:
-        if (action.type is None and action.nargs not in (0, argparse.REMAINDER, argparse.SUPPRESS)
-                and not action.choices and action.default != "" and action.dest != "help"
-                and not isinstance(action, argparse._SubParsersAction)):
-            action.type = given(action, action in grouped)
+        if (action.type in (None, Path) and action.nargs not in (0, argparse.REMAINDER) and not action.choices
+                and action.default != ""):
+            check = given(action, action in grouped)
+            action.type = check if action.type is None else lambda text, check=check: Path(check(text))
