@@ -10,7 +10,7 @@ from helpers import TINY, metatrain, one_line_error
 from metatrain import checkgrads, models, step
 from metatrain.bench.variants import parse_variant
 from metatrain.data.pipeline import DataConfig
-from metatrain.tasks import MAML, Task, TaskError, make_task, task_class, validate
+from metatrain.tasks import MAML, Task, TaskError, batch_mean, make_task, task_class, validate
 
 
 class LearnedWeightDecay(Task):
@@ -23,7 +23,7 @@ class LearnedWeightDecay(Task):
 
     def inner_loss(self, theta, meta, batch):
         l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(theta))
-        return self.example_losses(theta, batch).mean() + jnp.exp(meta["log_decay"]) * l2
+        return batch_mean(self.example_losses(theta, batch), batch) + jnp.exp(meta["log_decay"]) * l2
 
 
 class NonScalarLoss(MAML):
@@ -168,6 +168,34 @@ def test_the_loss_weighting_baseline_skips_the_meta_model_and_weighs_uniformly(b
     assert abs(float(value - value_u)) <= tol * abs(float(value))
     for g, gu in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_u), strict=True):
         assert jnp.allclose(g, gu, rtol=tol, atol=tol * float(jnp.abs(g).max()) + 1e-30)
+
+
+def test_the_documented_task_leaves_out_a_row_without_a_token_to_train_on():
+    """The task module of the README and of docs/writing-a-task.md, run as written, on a packed row of conversations
+    that holds no assistant token (loss 0): its loss is the mean over the other rows, as the built-in tasks'. A plain
+    `.mean()` counted the empty row and halved the loss here, on any chat data a user copied the example onto."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    root = Path(__file__).resolve().parents[2]
+    b = step.random_batches(DataConfig(inner_steps=1, batch=2, seq_len=8), CFG.vocab_size, jax.random.key(2))[0]
+    b = jax.tree.map(lambda x: x[0], b)
+    b = dict(b, loss_mask=jnp.asarray(np.array([[0] * 9, [0] * 5 + [1] * 4], np.int32)))  # row 0: prompt only
+    for page in ("README.md", "docs/writing-a-task.md"):
+        code = next(c for c in re.findall(r"```python\n(.*?)```", (root / page).read_text(), re.S)
+                    if "class LearnedWeightDecay(Task)" in c)
+        space = {}
+        exec(compile(code, page, "exec"), space)
+        task = space["LearnedWeightDecay"](model=CFG)
+        meta = task.init_meta(jax.random.key(0))
+        theta = task.init_inner(jax.random.key(1), meta)[0]
+        losses = np.asarray(task.example_losses(theta, b), np.float64)
+        assert losses[0] == 0 < losses[1]
+        l2 = sum(float(np.sum(np.asarray(p, np.float64) ** 2)) for p in jax.tree.leaves(theta))
+        expected = losses[1] + np.exp(-2.0) * l2  # the row with a target alone; float64 from float32 parts
+        assert np.isclose(float(task.inner_loss(theta, meta, b)), expected, rtol=1e-5), page
 
 
 def test_an_example_without_a_token_to_train_on_takes_no_weight():
