@@ -213,7 +213,10 @@ def _main(argv, prefix: list[str]) -> int:
     prefix[0] = _named(parser, sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage (the top-level one said "metatrain: error:")
-        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        said = " ".join(repr(a) if not a.strip() else a for a in unknown)  # '' would say nothing
+        if any(not a.strip() for a in unknown):
+            said += " (an empty argument, as an unset shell variable leaves it)"
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {said}")
     name = getattr(args, "command_name", args.command)  # `bench memory`, as argparse's own errors name it
     prefix[0] = f"metatrain {name}"
     handled = threading.current_thread() is threading.main_thread() and \

@@ -299,7 +299,7 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="with --json: keep the rows already in PATH measured at the same task, model, shapes and "
                         "variant, compile only the rest (PATH is rewritten after every row either way)")
-    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. baseline=uniform")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more run-config overrides, e.g. baseline=uniform")
     p.set_defaults(fn=cmd_bench_memory)
 
     p = bench.add_parser("time", help="side-by-side step time per variant (interleaved, median ratio)")
@@ -334,7 +334,7 @@ def register(sub) -> None:
                    help="the baseline first, then those to compare with it, e.g. "
                         "autodiff+remat,mixflow+remat+save+sqrt+blockwise+bf16")
     p.add_argument("--models", default=None, help="the ladder to search, in size order (default: all presets)")
-    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more run-config overrides, e.g. meta_opt.lr=1e-4")
     p.set_defaults(fn=cmd_bench_fit)
 
     p = sub.add_parser("compile", help="compile the run's outer step ahead of time (for a TPU topology with libtpu "
@@ -352,5 +352,6 @@ def register(sub) -> None:
                         "file or a work dir (its config.yaml), as `train` takes it, with the overrides on top; its "
                         "mesh as the run has it (default flags: task maml, model 44m, S 2048, B 4, T 2, mixflow, "
                         "fsdp over all devices)")
-    p.add_argument("overrides", nargs="*", help="more run-config overrides, e.g. metagrad.save_inner_grads=false")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="more run-config overrides, e.g. metagrad.save_inner_grads=false")
     p.set_defaults(fn=cmd_compile)

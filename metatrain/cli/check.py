@@ -75,7 +75,7 @@ def register(sub) -> None:
     p.add_argument("--variants", default=None,
                    help="check just these variants (comma list, e.g. mixflow+remat+save,revfwd+sqrt) instead of "
                         "every mode x remat x save; plain reverse-over-reverse is always the reference")
-    p.add_argument("overrides", nargs="*", help="run-config overrides the check takes: inner.lora.rank=4 "
-                                                "(inner.lora.alpha, inner.lora.targets), meta_model.*, "
-                                                "population.size=N")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="run-config overrides the check takes: inner.lora.rank=4 (inner.lora.alpha, "
+                        "inner.lora.targets), meta_model.*, population.size=N")
     p.set_defaults(fn=cmd_check_grads)

@@ -112,7 +112,7 @@ def _add_data_args(p: argparse.ArgumentParser):
 def register(sub) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data", required=True)
     p = data.add_parser("build", help="local text (files, folders, globs) -> a TFDS ArrayRecord dataset")
-    p.add_argument("input", nargs="+")
+    p.add_argument("input", nargs="+", metavar="PATH", help="text files, folders or globs")
     p.add_argument("--name", required=True, help="dataset name (snake_case)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--overwrite", action="store_true", help="rebuild a dataset of the same name from these files")

@@ -36,7 +36,7 @@ def register(sub) -> None:
     group = sub.add_parser("experiment", help="end-to-end experiments (resumable in one directory)")
     kinds = group.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
     p = kinds.add_parser("curation", help="raters, filters and fresh models at matched tokens: does curation pay?")
-    p.add_argument("dir", help="the experiment's directory: new, or an earlier one to continue it")
+    p.add_argument("dir", metavar="DIR", help="the experiment's directory: new, or an earlier one to continue it")
     p.add_argument("--drop", type=_drops, default=None, metavar="LIST",
                    help="the fractions ρ to drop, comma-separated (default: the scale's; tiny and small: "
                         f"{','.join(f'{d:g}' for d in SCALES['tiny'].drops)}, transfer: "

@@ -206,7 +206,7 @@ def _top_p(text: str) -> float:
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="text from a run's model, an export dir or hf:DIR (a KV cache)")
-    p.add_argument("src", help="a run's work dir (its inner model), an export dir, or hf:DIR")
+    p.add_argument("src", metavar="SRC", help="a run's work dir (its inner model), an export dir, or hf:DIR")
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--prompt", help="one prompt (text); on a terminal the completion shows as it is decoded")
     q.add_argument("--prompts", metavar="FILE", help="JSON lines, each {\"prompt\": TEXT} or {\"messages\": [...]}; "

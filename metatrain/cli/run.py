@@ -191,20 +191,22 @@ def _add_distributed_args(p: argparse.ArgumentParser):
 def register(sub) -> None:
     names = ", ".join(sorted(presets()))
     p = sub.add_parser("train", help="meta-training; no arguments: the built-in default job")
-    p.add_argument("overrides", nargs="*", help=f"[PRESET] key=value ... (presets: {names}; or a .yaml path)")
+    p.add_argument("overrides", nargs="*", metavar="PRESET|KEY=VALUE",
+                   help=f"[PRESET] key=value ... (presets: {names}; or a .yaml path)")
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     p.add_argument("--baseline", choices=["none", "uniform"], default=None,
                    help="also train with η frozen (loss weighting: exactly uniform weights) on the same data")
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("pretrain", help="plain next-token training with the same stack (a base model)")
-    p.add_argument("overrides", nargs="*", help="[PRESET] key=value ... (default preset: pretrain)")
+    p.add_argument("overrides", nargs="*", metavar="PRESET|KEY=VALUE",
+                   help="[PRESET] key=value ... (default preset: pretrain)")
     p.add_argument("--resume", action="store_true", help="continue the run in the work dir (needs a checkpoint)")
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("export", help="a run's (or an export/import dir's) parameters, as an export dir or a "
                                       "Hugging Face model dir")
-    p.add_argument("src", help="a run's work dir, or an export / import dir")
+    p.add_argument("src", metavar="SRC", help="a run's work dir, or an export / import dir")
     p.add_argument("--what", choices=WHATS, default=None,
                    help="inner: the fine-tuned model; meta: η; baseline: the uniform baseline's model "
                         "(default: inner for --format hf, meta for orbax; a pretrain run's model either way)")
@@ -223,13 +225,13 @@ def register(sub) -> None:
     kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")
     q = kinds.add_parser("hf", help="a local Hugging Face model dir (llama, qwen2) -> an export dir for "
                                     "inner.init_from (inner.init_from=hf:DIR does it in one step)")
-    q.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer files")
+    q.add_argument("dir", metavar="DIR", help="config.json + model.safetensors (or a sharded index) + tokenizer files")
     q.add_argument("--out", required=True, help="the export dir to write (new or empty)")
     q.add_argument("--overwrite", action="store_true",
                    help="replace an earlier import in --out (never files that metatrain did not write)")
     q.set_defaults(fn=cmd_import_hf)
     p = sub.add_parser("scores", help="per-document score and learned weight of a run's final η, as JSON lines")
-    p.add_argument("workdir", help="a `metatrain train` work dir (a task with scores: loss_weighting)")
+    p.add_argument("workdir", metavar="RUN", help="a `metatrain train` work dir (a task with scores: loss_weighting)")
     p.add_argument("--data", default=None, help="a data source (jsonl:, parquet:, dir:, hf-disk:, tfds:, builtin; "
                                                 "default: the run's data.source)")
     p.add_argument("--out", default=None, help="default: WORKDIR/scores.jsonl (its folder is made; never one of the "
@@ -239,7 +241,7 @@ def register(sub) -> None:
                    help="score a document by its first N rows of seq_len+1")
     p.set_defaults(fn=cmd_scores)
     p = sub.add_parser("filter", help="keep 1-ρ of a corpus by a loss-weighting run's scores (curated data out)")
-    p.add_argument("run", help="a `metatrain train` work dir of task loss_weighting")
+    p.add_argument("run", metavar="RUN", help="a `metatrain train` work dir of task loss_weighting")
     p.add_argument("--data", required=True, help="jsonl:PATH_OR_GLOB or parquet:PATH_OR_GLOB (written back as it is)")
     p.add_argument("--out", required=True, help="a new directory: part-*.jsonl|parquet and manifest.json")
     p.add_argument("--drop", type=common.fraction("the fraction to drop"), required=True,
@@ -258,7 +260,7 @@ def register(sub) -> None:
     p.set_defaults(fn=cmd_filter)
     p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start (a "
                                     "pretrain run: its model)")
-    p.add_argument("workdir", help="a `metatrain train` or `metatrain pretrain` work dir")
+    p.add_argument("workdir", metavar="RUN", help="a `metatrain train` or `metatrain pretrain` work dir")
     p.add_argument("--data", default=None, help="a data source (default: the run's validation documents)")
     p.add_argument("--max-docs", type=common.nonnegative_int, default=0, help="evaluate the first N documents (0: all)")
     p.add_argument("--max-rows", type=common.positive_int, default=16,

@@ -150,17 +150,20 @@ EMPTY = "empty (as an unset shell variable leaves it)"
     # the flags' problem (MAML, 44m) compiled instead of a run config
     (["compile", "--config", ""], f"argument --config: {EMPTY}"),
     # an empty preset ran the default one
-    (["train", "", "steps=1"], f"argument overrides: {EMPTY}; give one, or leave it out"),
-    (["pretrain", ""], f"argument overrides: {EMPTY}"),
+    (["train", "", "steps=1"], f"argument PRESET|KEY=VALUE: {EMPTY}; give one, or leave it out"),
+    (["pretrain", ""], f"argument PRESET|KEY=VALUE: {EMPTY}"),
     # a path named '': "no such directory", "has no metrics.jsonl", "config.json not found"
-    (["eval", ""], f"argument workdir: {EMPTY}; give one"),
+    (["eval", ""], f"argument RUN: {EMPTY}; give one"),
     (["plot", ""], f"argument WORKDIR: {EMPTY}"),
-    (["import", "hf", "", "--out", "x"], f"argument dir: {EMPTY}"),
-    (["experiment", "curation", ""], f"argument dir: {EMPTY}"),
+    (["import", "hf", "", "--out", "x"], f"argument DIR: {EMPTY}"),
+    (["experiment", "curation", ""], f"argument DIR: {EMPTY}"),
     # an empty list checked every variant, as if --variants were not given (then: "unknown mode ''")
     (["check-grads", "--variants", ""], f"argument --variants: {EMPTY}"),
     # one of a required pair: no default to fall back on
     (["generate", "run", "--prompts", ""], f"argument --prompts: {EMPTY}; give one"),
+    # a command without positional arguments: "unrecognized arguments: " and nothing after it
+    (["bench", "time", "--model", "tiny", ""], "unrecognized arguments: '' (an empty argument, as an unset shell "
+                                               "variable leaves it)"),
 ])
 def test_an_empty_argument_is_refused_before_any_work(argv, says, capsys, tmp_path, monkeypatch):
     """An argument given as '' (`--out "$OUT"` with OUT unset) is one line naming it, before anything is read or
@@ -169,7 +172,7 @@ def test_an_empty_argument_is_refused_before_any_work(argv, says, capsys, tmp_pa
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    name = " ".join(argv[:2]) if argv[0] in ("data", "import", "experiment") else argv[0]
+    name = " ".join(argv[:2]) if argv[0] in ("data", "import", "experiment", "bench") else argv[0]
     assert e.value.code == 2 and err[-1].startswith(f"metatrain {name}: error: {says}"), err
     assert "Traceback" not in "\n".join(err) and not list(tmp_path.iterdir())
 
