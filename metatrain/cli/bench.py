@@ -251,8 +251,9 @@ def cmd_compile(args) -> int:
               f"{r['hbm_bytes'] / GiB:.2f} GiB ({100 * r['peak_bytes'] / r['hbm_bytes']:.0f}%)")
     elif r["backend"] == "cpu":  # no device memory: the buffers are the process's own, beside everything else in it
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        print(f"on CPU there is no device memory to fit in: the peak, {r['peak_bytes'] / GiB:.2f} GiB per device, is "
-              f"this process's memory, of {ram / GiB:.1f} GiB of RAM here")
+        peak = f"{r['peak_bytes'] / GiB:.2f} GiB" if r["peak_bytes"] >= GiB else f"{r['peak_bytes'] / 2**20:.1f} MiB"
+        print(f"on CPU there is no device memory to fit in: the peak, {peak} per device, is this process's memory, of "
+              f"{ram / GiB:.1f} GiB of RAM here")
     if "refused_bytes" in r:
         print(f"(the TPU compiler refused it first, estimating {r['refused_bytes'] / GiB:.2f} GiB: {r['message']}; "
               f"the figures above are from compiling it past the HBM limit)")

@@ -136,6 +136,9 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     model_flags += ["--no-scan-layers"]  # the default preset's model.scan_layers=false
     same_run = ["baseline=uniform", "inner_lr=0.01", "steps=4"]  # and the default preset's model.remat=false
     assert cli.main(["compile", *model_flags, "--no-remat", "--json", str(tmp_path / "c.json"), *same_run]) == 0
+    said = capsys.readouterr().out  # a tiny peak in MiB (it was "0.00 GiB per device")
+    peak = json.loads((tmp_path / "c.json").read_text())["peak_bytes"]
+    assert f"the peak, {peak / 2**20:.1f} MiB per device, is this process's memory" in said, said
     assert cli.main(["bench", "memory", *model_flags, "--variants", "mixflow+save", "--baseline", "mixflow+save",
                      "--json", str(tmp_path / "m.json"), *same_run]) == 0
     compiled = json.loads((tmp_path / "c.json").read_text())
