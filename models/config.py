@@ -4,6 +4,7 @@ Hoffmann et al. (2022a) used in scaling benchmarks")."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import jax.numpy as jnp
 
@@ -121,6 +122,14 @@ class ModelConfig:
         return jnp.dtype(self.compute_dtype or self.param_dtype)
 
     def replace(self, **changes) -> ModelConfig:
+        """This config with `changes` (field=value); an unknown field is a `ConfigError` naming the nearest ones."""
+        fields = [f.name for f in dataclasses.fields(self)]
+        for name in changes:
+            if name not in fields:
+                near = difflib.get_close_matches(name, fields, n=3)
+                raise ConfigError(f"ModelConfig has no field {name!r}"
+                                  + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
+                                     f"; its fields: {', '.join(fields)}"))
         return dataclasses.replace(self, **changes)
 
 

@@ -176,6 +176,11 @@ def test_bad_model_config():
         models.preset("tiny", d_model=30, n_heads=4)
     with pytest.raises(ConfigError, match="unknown model preset"):
         models.preset("huge")
+    # a misspelt field (it was dataclasses' TypeError, "unexpected keyword argument")
+    with pytest.raises(ConfigError, match="ModelConfig has no field 'n_layerz'; did you mean 'n_layers'"):
+        models.preset("tiny", n_layerz=2)
+    with pytest.raises(ConfigError, match="has no field 'zzz'; its fields: vocab_size, d_model"):
+        models.preset("tiny").replace(zzz=1)
 
 
 @pytest.mark.slow
