@@ -6,7 +6,8 @@ machine's devices, or the topology's chips with FSDP shardings. On a TPU, a prog
 pass the chip's HBM is refused with RESOURCE_EXHAUSTED and then compiled past the limit
 (`aot.compile_exact`): every report is exact, `fits` is peak <= HBM, and a refused program's report also
 keeps the refusal's figure (`refused_bytes`, an estimate, not a peak). On a GPU `fits` is peak <= the memory
-JAX's allocator gives a process (`aot.topology_devices`).
+JAX's allocator gives a process (`aot.topology_devices`). A CPU or GPU program's report also has its kernels'
+census (`bench.census`: what they compute and move per call).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def where(devices=None) -> dict:
 
 def compile_report(cfg: Config, topology: str | None = None, built: tuple | None = None,
                    options: dict | None = None) -> dict:
-    """Per-device memory of the run's outer step (and, on a TPU topology, whether it fits the chip's HBM).
+    """Per-device memory of the run's outer step (and, on a TPU topology, whether it fits the chip's HBM; on a CPU or
+    GPU, its kernels' `census`).
     `built`: `program_for(cfg, topology)` when the caller has it already; `options`: compile options (e.g. a dump)."""
     program, hbm = built or program_for(cfg, topology)
     d = cfg.data
@@ -72,5 +74,9 @@ def compile_report(cfg: Config, topology: str | None = None, built: tuple | None
                          "message": message, "compile_s": round(time.perf_counter() - start, 2)}
     m = compiled_memory(compiled)
     extra = {} if refused is None else {"refused_bytes": refused, "message": message}
+    if report["backend"] in ("gpu", "cpu"):  # (a TPU program's products are convolutions the census does not read)
+        from metatrain.bench import census
+
+        extra["census"] = census.census(compiled.as_text())
     return report | m | extra | {"fits": None if hbm is None else m["peak_bytes"] <= hbm, "exact": True,
                                  "compile_s": round(time.perf_counter() - start, 2)}

@@ -15,6 +15,9 @@ import glob
 import os
 import re
 
+from metatrain.bench import census
+from metatrain.bench.census import CLASSES, op_class  # noqa: F401 (profile.op_class, as before)
+
 
 def op_times(data) -> dict[tuple[str, str], list[float]]:
     """{(hlo_module, hlo_op): [total ns, events]} of a `jax.profiler.ProfileData`."""
@@ -48,21 +51,6 @@ def _self_times(events):
         out.append([key, -neg_duration])
         stack.append((end, len(out) - 1))
     return [(key, max(0.0, t)) for key, t in out]
-
-
-# classes of ops by their names (XLA's GPU, TPU and CPU names: `gemm_fusion_dot.4`, `cublas-gemm.3`,
-# `input_reduce_fusion.2`, `loop_transpose_fusion`, `ynn_fusion.1` (a dot on CPU), `while.5`); the first that matches
-CLASSES = (("matmul", r"gemm|cublas|(^|_)dot|matmul|convolution|ynn_fusion"),
-           ("collective", r"all-reduce|all-gather|reduce-scatter|all-to-all|collective"),
-           ("transpose or copy", r"transpose|^copy"), ("reduction", r"reduce"),
-           ("scatter or gather", r"scatter|gather"), ("dynamic slice or update", r"dynamic"),
-           ("loop or control", r"^(while|conditional|call)"),
-           ("other fusion", r"fusion"))
-
-
-def op_class(op: str) -> str:
-    """The class of an XLA op, from its name (`CLASSES`); "other" where none matches."""
-    return next((name for name, pattern in CLASSES if re.search(pattern, op)), "other")
 
 
 def top_ops(data, steps: int, n: int = 15) -> dict:
@@ -120,8 +108,23 @@ def trace(call, steps: int, directory: str, hlo_text: str | None = None) -> dict
             f.write(hlo_text)
         described = hlo_ops(hlo_text)
         summary["program"] = f.name
-        summary["top_ops"] = [{**o, **described.get(o["op"], {})} for o in summary["top_ops"]]
+        costs = census.kernels(hlo_text)[0]
+        summary["top_ops"] = [{**o, **described.get(o["op"], {}), **achieved(o, costs.get(o["op"]))}
+                              for o in summary["top_ops"]]
+        summary["census"] = census.census(hlo_text)
     return summary
+
+
+def achieved(op: dict, cost: dict | None) -> dict:
+    """What a traced op computes and moves per step by the compiled program's census (`metatrain.bench.census`),
+    and the rates that makes in the time it took: {"calls_per_step", "flops_per_step", "bytes_per_step",
+    "tflop_per_s", "gb_per_s"} (none for an op the census does not count as a kernel)."""
+    if not cost:
+        return {}
+    seconds = op["ms_per_step"] / 1e3
+    return {"calls_per_step": cost["calls"], "flops_per_step": cost["flops"], "bytes_per_step": cost["bytes"],
+            "tflop_per_s": cost["flops"] / seconds / 1e12 if seconds else None,
+            "gb_per_s": cost["bytes"] / seconds / 1e9 if seconds else None}
 
 
 def file_name(text: str) -> str:

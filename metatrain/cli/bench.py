@@ -207,6 +207,12 @@ def _compile_config(args):
     return data_derived(cfg, Streams(cfg.data)), args.config
 
 
+def _si(n: float, unit: str) -> str:
+    """1.23 TFLOPs, 45.6 MB: decimal prefixes."""
+    prefixes = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
+    return next(f"{n / scale:,.2f} {prefix}{unit}" for scale, prefix in prefixes if n >= scale or scale == 1)
+
+
 def cmd_compile(args) -> int:
     from metatrain.aot import GiB, gpu_memory_fraction
     from metatrain.bench.compile import compile_report
@@ -240,6 +246,11 @@ def cmd_compile(args) -> int:
         return 1
     print("per-device memory: " + ", ".join(f"{k} {r[k + '_bytes'] / GiB:.3f} GiB"
                                              for k in ("argument", "output", "alias", "temp", "peak")))
+    if "census" in r:  # what its kernels compute and move, read off the compiled program (`metatrain.bench.census`)
+        c = r["census"]
+        print(f"kernels: {c['kernels']:,} per call, {_si(c['flops'], 'FLOPs')} in matrix products, at most "
+              f"{_si(c['bytes'], 'B')} read and written" + ("" if c["trip_counts_known"] else
+                                                           " (a loop without a known trip count counted once)"))
     if r["backend"] == "tpu" and r.get("temp_sum_bytes", 0) > r["peak_bytes"]:
         print(f"(the peak is the TPU compiler's high-water mark of its buffers; its temp counts more than is ever live "
               f"at once, so argument + output - alias + temp, {r['temp_sum_bytes'] / GiB:.3f} GiB, is above it)")

@@ -139,6 +139,8 @@ def test_trainer_compile_and_bench_memory_compile_the_same_program(shared_run, t
     said = capsys.readouterr().out  # a tiny peak in MiB (it was "0.00 GiB per device")
     peak = json.loads((tmp_path / "c.json").read_text())["peak_bytes"]
     assert f"the peak, {peak / 2**20:.1f} MiB per device, is this process's memory" in said, said
+    census = json.loads((tmp_path / "c.json").read_text())["census"]  # its kernels, read off the compiled program
+    assert f"kernels: {census['kernels']:,} per call, " in said and census["flops"] > 0 and census["trip_counts_known"]
     assert cli.main(["bench", "memory", *model_flags, "--variants", "mixflow+save", "--baseline", "mixflow+save",
                      "--json", str(tmp_path / "m.json"), *same_run]) == 0
     compiled = json.loads((tmp_path / "c.json").read_text())

@@ -41,6 +41,9 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
         assert open(p["program"]).read().startswith("HloModule jit_outer_step")
         assert all(o["opcode"] and o["shape"] for o in p["top_ops"]), p["top_ops"]
         assert any(o["source"].startswith("jit(outer_step)/") for o in p["top_ops"]), p["top_ops"]
+        # the kernels among them: what each moves and computes per step (the program's census), and the rate
+        counted = [o for o in p["top_ops"] if "bytes_per_step" in o]
+        assert counted and all(o["gb_per_s"] > 0 for o in counted), p["top_ops"]
     assert cli.main(["bench", "memory", *TINY_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save",
                      "--json", str(mem)]) == 0
     peaks = {r["variant"]: r["peak_bytes"] for r in json.loads(mem.read_text())}
@@ -48,6 +51,9 @@ def test_bench_time_runs_each_variants_real_step(tmp_path, capsys):
     plans = {r["variant"]: r["plan"] for r in json.loads(mem.read_text())}  # T=2: both steps under one VJP
     assert plans == {"autodiff+remat": "checkpointed+peeled", "mixflow+remat+save": "two_steps+peeled+seeded"}
     assert peaks["autodiff+remat"] != peaks["mixflow+remat+save"]
+    # the census of the program profiled is that of the program compiled ahead of time
+    products = {r["variant"]: r["census"]["flops"] for r in json.loads(mem.read_text())}
+    assert {n: r["profile"]["census"]["flops"] for n, r in rows.items()} == products and all(products.values())
 
 
 def test_one_variant_per_process_gives_the_peak_before_its_first_step(monkeypatch):
