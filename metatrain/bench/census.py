@@ -108,27 +108,16 @@ def _called(attrs: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _dot_flops(inst: dict, shapes: dict) -> int:
-    lhs = dims(shapes.get(inst["operands"][0], ""))
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst["attrs"])
-    k = 1
-    for d in filter(None, contracting.group(1).split(",") if contracting else []):
+def _product_flops(inst: dict, shapes: dict) -> int:
+    """2·M·N·K of a matrix product, a `dot` or a cuBLAS call (by its backend config's dimension numbers): its
+    output's elements (a cuBLAS call's result is a tuple: its first array, then the workspace) times the sizes of
+    its left operand's contracting dimensions."""
+    contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]',
+                            inst["attrs"])
+    k, n, lhs = 1, 1, dims(shapes.get(inst["operands"][0], ""))
+    for d in re.findall(r"\d+", contracting.group(contracting.lastindex) or "") if contracting else []:
         k *= lhs[int(d)]
-    n = 1
     for d in dims(inst["shape"]):
-        n *= d
-    return 2 * n * k
-
-
-def _gemm_call_flops(inst: dict, shapes: dict) -> int:
-    """A cuBLAS custom call's 2·M·N·K, from its backend config's dimension numbers."""
-    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst["attrs"])
-    lhs = dims(shapes.get(inst["operands"][0], ""))
-    k = 1
-    for d in re.findall(r"\d+", contracting.group(1) if contracting else ""):
-        k *= lhs[int(d)]
-    n = 1
-    for d in dims(inst["shape"]):  # the result (a tuple's first array: the second is cuBLAS's workspace)
         n *= d
     return 2 * n * k
 
@@ -141,7 +130,7 @@ def _fusion_flops(computations: dict, name: str, seen: int = 0) -> tuple[int, st
     flops, root = 0, ""
     for inst in comp["instructions"]:
         if inst["opcode"] == "dot":
-            flops += _dot_flops(inst, comp["shapes"])
+            flops += _product_flops(inst, comp["shapes"])
         elif inst["opcode"] == "fusion":
             flops += _fusion_flops(computations, _called(inst["attrs"], "calls"), seen + 1)[0]
         if inst["root"]:
@@ -150,8 +139,8 @@ def _fusion_flops(computations: dict, name: str, seen: int = 0) -> tuple[int, st
 
 
 def kernels(hlo_text: str) -> tuple[dict[str, dict], bool]:
-    """({kernel name: {"opcode", "calls", "flops", "bytes", "source"}} per call of the program, with `calls` the
-    times it runs and `flops`, `bytes` summed over them; whether every loop had a known trip count)."""
+    """({kernel name: {"opcode", "shape", "calls", "flops", "bytes", "source"}} per call of the program, with
+    `calls` the times it runs and `flops`, `bytes` summed over them; whether every loop had a known trip count)."""
     computations, entry = parse(hlo_text)
     out: dict[str, dict] = {}
     known = [True]
@@ -184,16 +173,16 @@ def kernels(hlo_text: str) -> tuple[dict[str, dict], bool]:
                 continue
             out_bytes = array_bytes(inst["shape"])
             in_bytes = sum(array_bytes(shapes.get(o, "")) for o in inst["operands"])
-            parts = elements(inst["shape"])
+            shape, parts = inst["shape"], elements(inst["shape"])
             if opcode.endswith("-start") and len(parts) > 1 and array_bytes(parts[0]) == in_bytes:
-                out_bytes = array_bytes(parts[1])  # ((operands), output, context): the output alone
+                shape = parts[1]  # ((operands), output, context): the output alone
+                out_bytes = array_bytes(shape)
             flops, root = 0, opcode
             if opcode in ("fusion", "fusion-start"):
                 flops, root = _fusion_flops(computations, _called(attrs, "calls"))
-            elif opcode == "dot":
-                flops = _dot_flops(inst, shapes)
-            elif opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|cublas)', attrs):
-                flops = _gemm_call_flops(inst, shapes)
+            elif opcode == "dot" or opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|cublas)',
+                                                                          attrs):
+                flops = _product_flops(inst, shapes)
             if root == "dynamic-slice":
                 moved = 2 * out_bytes
             elif root == "dynamic-update-slice":
@@ -201,7 +190,8 @@ def kernels(hlo_text: str) -> tuple[dict[str, dict], bool]:
             else:
                 moved = in_bytes + out_bytes
             source = re.search(r'op_name="([^"]*)"', attrs)
-            k = out.setdefault(inst["name"], {"opcode": opcode, "calls": 0, "flops": 0, "bytes": 0,
+            k = out.setdefault(inst["name"], {"opcode": opcode, "shape": shape[:120], "calls": 0,
+                                               "flops": 0, "bytes": 0,
                                                "source": source.group(1)[-200:] if source else ""})
             k["calls"] += calls
             k["flops"] += calls * flops
@@ -213,11 +203,15 @@ def kernels(hlo_text: str) -> tuple[dict[str, dict], bool]:
 
 
 def census(hlo_text: str, top: int = 8) -> dict:
-    """A compiled program's kernels summed per call: {"kernels", "flops", "bytes", "trip_counts_known",
-    "by_class": [{"class", "kernels", "flops", "bytes"}], "products": the `top` matrix-product kernels by FLOPs
-    ({"op", "shape", "calls", "flops", "bytes", "flops_per_byte"})}. Classes are those of a profile's op names
-    (`op_class`), so that a trace's time per class stands beside them."""
-    found, known = kernels(hlo_text)
+    """A compiled program's kernels summed per call (`summary` of its `kernels`)."""
+    return summary(*kernels(hlo_text), top=top)
+
+
+def summary(found: dict[str, dict], known: bool = True, top: int = 8) -> dict:
+    """`kernels`' figures summed: {"kernels", "flops", "bytes", "trip_counts_known", "by_class": [{"class", "kernels",
+    "flops", "bytes"}], "products": the `top` matrix-product kernels by FLOPs ({"op", "shape", "calls", "flops",
+    "bytes", "flops_per_byte"})}. Classes are those of a profile's op names (`op_class`), so that a trace's time per
+    class stands beside them."""
     classes = collections.defaultdict(lambda: [0, 0, 0])
     for name, k in found.items():
         c = classes[op_class(name)]
@@ -225,11 +219,9 @@ def census(hlo_text: str, top: int = 8) -> dict:
         c[1] += k["flops"]
         c[2] += k["bytes"]
     products = sorted(((n, k) for n, k in found.items() if k["flops"]), key=lambda nk: -nk[1]["flops"])[:top]
-    shapes = dict(line for comp in parse(hlo_text)[0].values() for line in comp["shapes"].items())
     return {"kernels": sum(k["calls"] for k in found.values()), "flops": sum(k["flops"] for k in found.values()),
             "bytes": sum(k["bytes"] for k in found.values()), "trip_counts_known": known,
             "by_class": [{"class": c, "kernels": n, "flops": f, "bytes": b}
                          for c, (n, f, b) in sorted(classes.items(), key=lambda kv: -kv[1][2])],
-            "products": [{"op": n, "shape": shapes.get(n, "")[:120], "calls": k["calls"], "flops": k["flops"],
-                          "bytes": k["bytes"], "flops_per_byte": round(k["flops"] / max(k["bytes"], 1), 1)}
-                         for n, k in products]}
+            "products": [{"op": n, "shape": k["shape"], "calls": k["calls"], "flops": k["flops"], "bytes": k["bytes"],
+                          "flops_per_byte": round(k["flops"] / max(k["bytes"], 1), 1)} for n, k in products]}

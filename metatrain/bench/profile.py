@@ -73,21 +73,16 @@ def top_ops(data, steps: int, n: int = 15) -> dict:
     return {"op_ms_per_step": total / 1e6 / steps, "top_ops": rows, "by_class": by_class}
 
 
-# an instruction of an HLO module's text: `  [ROOT ]%name = SHAPE opcode(...), ..., metadata={op_name="..." ...}`
-INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
-
-
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
     """{instruction name: {"shape", "opcode", "source"}} of a compiled module's HLO text (`compiled.as_text()`),
     every computation's; `source` is the JAX operation it came from (its `op_name` metadata), "" without one; a
     shape or source longer than 300 characters is cut (a loop's tuple: its start; a source: its end)."""
     out = {}
-    for line in hlo_text.splitlines():
-        m = INSTRUCTION.match(line)
-        if m:
-            source = re.search(r'op_name="([^"]*)"', line)
-            out[m.group(1)] = {"shape": m.group(2)[:300], "opcode": m.group(3),
-                               "source": source.group(1)[-300:] if source else ""}
+    for comp in census.parse(hlo_text)[0].values():
+        for inst in comp["instructions"]:
+            source = re.search(r'op_name="([^"]*)"', inst["attrs"])
+            out[inst["name"]] = {"shape": inst["shape"][:300], "opcode": inst["opcode"],
+                                 "source": source.group(1)[-300:] if source else ""}
     return out
 
 
@@ -108,10 +103,10 @@ def trace(call, steps: int, directory: str, hlo_text: str | None = None) -> dict
             f.write(hlo_text)
         described = hlo_ops(hlo_text)
         summary["program"] = f.name
-        costs = census.kernels(hlo_text)[0]
+        costs, known = census.kernels(hlo_text)
         summary["top_ops"] = [{**o, **described.get(o["op"], {}), **achieved(o, costs.get(o["op"]))}
                               for o in summary["top_ops"]]
-        summary["census"] = census.census(hlo_text)
+        summary["census"] = census.summary(costs, known)
     return summary
 
 
