@@ -114,8 +114,9 @@ def profile(cfg: Config, variant: Variant, topology: str | None = None, with_bre
                 row |= buffers.kept_states_at_peak(*buffers.read_dump(dump), shapes)
     row |= {k: report.get(k) for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "temp_sum_bytes",
                                        "host_temp_bytes", "host_io_bytes", "flops", "fits", "exact", "hbm_bytes",
-                                       "refused_bytes", "compile_s", "plan", "device", "versions", "census")
-            if k in report or k != "census"}
+                                       "refused_bytes", "compile_s", "plan", "device", "versions")}
+    if "census" in report:  # a CPU or GPU program's kernels
+        row["census"] = report["census"]
     if not report["exact"]:
         raise ConfigError(f"{variant.name} on {topology}: the TPU compiler refused it ({report['message']}) and "
                           f"compiling it past the HBM limit failed too, so there is no exact figure; compare on a "

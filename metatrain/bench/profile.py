@@ -16,7 +16,7 @@ import os
 import re
 
 from metatrain.bench import census
-from metatrain.bench.census import CLASSES, op_class  # noqa: F401 (profile.op_class, as before)
+from metatrain.bench.census import op_class
 
 
 def op_times(data) -> dict[tuple[str, str], list[float]]:
