@@ -359,17 +359,25 @@ def _preset_config(preset: str):
     try:
         node = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f"line {where.line + 1}, column {where.column + 1}: " if where else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"preset: {preset} is not valid YAML ({at}{problem})") from None
+        raise _not_yaml(preset, e) from None
     if node is None:
         return OmegaConf.create({})
     if not isinstance(node, dict):
         kind = {list: "a list", str: "plain text"}.get(type(node), f"a {type(node).__name__}")
         raise ConfigError(f"preset: {preset} holds {kind}, not a mapping of settings; write "
                           "`key: value` lines, e.g. `task: maml` and `model: {d_model: 64}`")
-    return OmegaConf.create(text)  # read again by OmegaConf's loader: it takes `1e-3` as a number, PyYAML's does not
+    try:  # read again by OmegaConf's loader: it takes `1e-3` as a number, PyYAML's does not; it refuses a key twice
+        return OmegaConf.create(text)
+    except yaml.YAMLError as e:
+        raise _not_yaml(preset, e) from None
+
+
+def _not_yaml(preset: str, e) -> ConfigError:
+    """A YAML reader's error as one line: where in the file, and what."""
+    where = getattr(e, "problem_mark", None)
+    at = f"line {where.line + 1}, column {where.column + 1}: " if where else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return ConfigError(f"preset: {preset} is not valid YAML ({at}{problem})")
 
 
 @functools.cache

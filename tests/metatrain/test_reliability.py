@@ -147,6 +147,9 @@ def test_a_flag_below_its_range_is_refused(capsys, argv, message):
 
 @pytest.mark.parametrize("content, message", [
     (b"task: [maml\n", "preset: my.yaml is not valid YAML (line 2, column 1: expected ',' or ']'"),
+    # a traceback from OmegaConf's YAML loader before (PyYAML's takes the last)
+    (b"steps: 1\nmodel:\n  n_layers: 1\n  n_layers: 2\n",
+     "preset: my.yaml is not valid YAML (line 4, column 3: found duplicate key n_layers)"),
     (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
     (b"\xff\xfe task: maml", "preset: my.yaml is not UTF-8 text (byte 0xff at position 0)"),
     (b"nosuch: 3\n", "nosuch in my.yaml: Key 'nosuch' not in 'Config'"),
