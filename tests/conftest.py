@@ -36,6 +36,15 @@ import sys
 import tempfile
 from importlib.metadata import version
 
+if os.environ.get("METATRAIN_COMPILE_LOG"):  # where the compile time goes: tests/compile_log/report.py
+    COMPILE_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_log")
+    os.environ["METATRAIN_COMPILE_LOG"] = os.path.abspath(os.environ["METATRAIN_COMPILE_LOG"])
+    os.makedirs(os.environ["METATRAIN_COMPILE_LOG"], exist_ok=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (COMPILE_LOG, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, COMPILE_LOG)
+    import compile_events
+
+    compile_events.install()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before JAX is imported anywhere
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="metatrain-test-jax-cache-")
     os.environ["METATRAIN_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
