@@ -185,7 +185,8 @@ def _from_export_dir(path: str, what: str | None, command: str = "export") -> Ex
         info = json.load(f)
     if what not in (None, info.get("what", "inner")):
         held = info.get("what", "inner")
-        raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}")
+        raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}; give the run's "
+                          f"work dir, or an export made with --what {what}")
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"))
     model = ModelConfig(**info["model"]) if info.get("model") else None

@@ -191,9 +191,9 @@ def test_on_a_terminal_the_completion_shows_as_it_is_decoded(shared_run, capsys,
 
 
 def test_what_an_export_dir_does_not_hold_is_named_as_generates_flag(shared_run, tmp_path, capsys):
-    """It was named "export --what", a command the user did not run."""
+    """It was named "export --what", a command the user did not run; it says what to give instead."""
     assert _main(capsys, "export", shared_run["workdir"], "--what", "meta", "--out", tmp_path / "meta")[0] == 0
     code, _, err = _main(capsys, "generate", tmp_path / "meta", "--what", "baseline", "--prompt", "a")
     assert code == 2
     one_line_error(err, f"metatrain generate: error: generate --what baseline: {tmp_path / 'meta'} is an export dir "
-                        "holding only 'meta'")
+                        "holding only 'meta'; give the run's work dir, or an export made with --what baseline")
