@@ -19,15 +19,15 @@ def main(folder: str, top: int = 25) -> None:
     total, tests, programs = collections.Counter(), collections.defaultdict(collections.Counter), \
         collections.defaultdict(collections.Counter)
     for r in rows:
-        where = r["test"] or r["command"]
-        total[r["event"]] += r["seconds"] if r["event"] in ("trace", "lower", "compile") else 1
-        if r["event"] in ("trace", "lower", "compile"):
-            tests[where][r["event"]] += r["seconds"]
-            programs[r["function"].removeprefix("jit(").removesuffix(")")][r["event"]] += r["seconds"]
-        if r["event"] == "compile":
-            programs[r["function"].removeprefix("jit(").removesuffix(")")]["n"] += 1
-        if r["event"] in ("hit", "miss"):
-            tests[where][r["event"]] += 1
+        event, where = r["event"], r["test"] or r["command"]
+        if event in ("hit", "miss"):
+            total[event] += 1
+            tests[where][event] += 1
+            continue
+        program = programs[r["function"].removeprefix("jit(").removesuffix(")")]
+        for counter in (total, tests[where], program):
+            counter[event] += r["seconds"]
+        program["n"] += event == "compile"
     print(f"{len(rows)} events: tracing {total['trace']:.1f} s, lowering {total['lower']:.1f} s, compiling "
           f"{total['compile']:.1f} s (persistent cache: {total['hit']} hits, {total['miss']} misses)")
     cost = lambda c: c["trace"] + c["lower"] + c["compile"]
