@@ -183,8 +183,8 @@ def _from_workdir(workdir: str, what: str | None, adapters: bool = False, comman
 def _from_export_dir(path: str, what: str | None, command: str = "export") -> Exported:
     with open(os.path.join(path, "export.json")) as f:
         info = json.load(f)
-    if what not in (None, info.get("what", "inner")):
-        held = info.get("what", "inner")
+    held = info.get("what", "inner")
+    if what not in (None, held):
         raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}; give the run's "
                           f"work dir, or an export made with --what {what}")
     with ocp.StandardCheckpointer() as checkpointer:
