@@ -104,6 +104,33 @@ def read(kind: str, paths: list[str], mine: Share, fields: Fields, id_field: str
         yield from _jsonl(paths, mine, fields, id_field)
 
 
+def after(items: Iterator[tuple[Record, int]], skip: int, last: tuple[int, int] | None, kept: str,
+          on_skip=lambda where: None) -> Iterator[tuple[Record, int]]:
+    """The records of `items` (`read`'s) after the first `skip`, whose scores an interrupted command kept (in
+    `kept`, named in errors): read, not scored. The last skipped must be the kept scores' last document (`last`: its
+    file and offset), else the input changed since, a DataError. `on_skip(progress)` every 4,096 skipped and at the
+    last."""
+    changed = f"the input is not what the scores kept in {kept} were made from (a file changed in place?)"
+    n = 0
+    for rec, where in items:
+        n += 1
+        if n < skip and n % 4096:
+            continue
+        if n <= skip:
+            if n == skip and (rec.file, rec.offset) != last:
+                raise DataError(f"{rec.where}: {changed}; run again to start over")
+            on_skip(where)
+            continue
+        yield rec, where
+    if n < skip:
+        raise DataError(f"{changed}: it holds {n:,} documents, {skip:,} were scored; run again to start over")
+
+
+def fingerprint(paths: list[str]) -> list[list]:
+    """[real path, size, time of last change (ns)] of each file: what a kept pass over them is checked against."""
+    return [[os.path.realpath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in paths]
+
+
 def _jsonl(paths, mine: Share, fields: Fields, id_field: str | None):
     done = 0
     for k, start, end in mine.spans:

@@ -17,10 +17,15 @@ the same schema). Across processes (the multi-host start-up of `train`), process
 (`data.records.share`) as OUT/part-0000k.*; the decisions depend on document keys and global positions only, so
 they are the same whatever the number of processes; process 0 writes OUT/manifest.json. OUT must be one
 directory every process sees (a shared file system).
+
+Stopped by Ctrl-C or SIGTERM once documents are scored (or killed outright), a filter leaves OUT holding only
+OUT/.parts: the same command, run again, scores only the documents after those and finishes. Anything else there
+(other documents, another checkpoint, other settings) starts again; an error takes OUT away.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -37,6 +42,7 @@ from metatrain.run import Run
 METHODS = ("topk", "p_accept")
 SCORE_DTYPE = np.dtype([("file", "<i4"), ("offset", "<i8"), ("score", "<f8"), ("tokens", "<i4")])
 WINDOW_GROUPS = 64  # topk: groups are drawn within windows of this many groups of the input order
+RESUME = "resume.json"  # in OUT/.parts: what the scores there are of (`_scores_key`)
 DECIDE_CHUNK = 1 << 20  # documents decided at a time (whole topk windows)
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -95,9 +101,10 @@ def topk_keep(scores: np.ndarray, start: int, batch: int, drop: float, seed: int
 
 
 # ---- the passes --------------------------------------------------------------------------------
-def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows, show) -> tuple[int, int]:
-    """Score the share's documents in order; append (file, offset, score, tokens) records to `out_path`.
-    Returns (documents, tokens)."""
+def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows, show) -> tuple[int, int, int]:
+    """Score the share's documents in order; append (file, offset, score, tokens) records to `out_path`, after the
+    whole records an interrupted filter left there (those documents are not scored again). Returns (documents,
+    tokens), those included, and how many documents were scored before."""
     import jax
 
     from metatrain.data.pipeline import encoder
@@ -106,26 +113,47 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     encode = encoder(run.cfg.data, run.tokenizer())
     fn = jax.jit(run.task.scores)
     meta = run.restored("meta")
-    docs = tokens = 0
+    saved = saved_scores(out_path)
+    docs, tokens = len(saved), int(saved["tokens"].sum(dtype=np.int64))
+    last = (int(saved["file"][-1]), int(saved["offset"][-1])) if docs else None
+    new = new_tokens = 0  # scored in this run
     tic = time.perf_counter()
     unit = "B" if kind == "jsonl" else " docs"
     bar = progress.bar(mine.size, "scoring", disable=not show, unit=unit, unit_scale=kind == "jsonl")
-    with paths.naming(out_path), open(out_path, "wb") as f, bar:
+    items = records.after(records.read(kind, files, mine, fields), docs, last, os.path.dirname(out_path),
+                          on_skip=lambda where: bar.update(where - bar.n))
+    with paths.naming(out_path), open(out_path, "ab") as f, bar:
         buffer = []
-        for rec, n_tokens, score, where in score_stream(fn, meta, records.read(kind, files, mine, fields), encode,
-                                                        run.cfg.data.seq_len, score_batch, max_rows):
-            buffer.append((rec.file, rec.offset, score, n_tokens))
-            docs, tokens = docs + 1, tokens + n_tokens
-            if len(buffer) >= 4096:
+        try:
+            for rec, n_tokens, score, where in score_stream(fn, meta, items, encode, run.cfg.data.seq_len,
+                                                            score_batch, max_rows):
+                buffer.append((rec.file, rec.offset, score, n_tokens))
+                docs, tokens, new, new_tokens = docs + 1, tokens + n_tokens, new + 1, new_tokens + n_tokens
+                if len(buffer) >= 4096:
+                    f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
+                    buffer.clear()
+                    seconds = max(time.perf_counter() - tic, 1e-9)
+                    bar.set_postfix_str(f"{new / seconds:,.0f} docs/s, {new_tokens / seconds:,.0f} tokens/s",
+                                        refresh=False)
+                bar.update(where - bar.n)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was scored is kept for the next run
+            if buffer:
                 f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
-                buffer.clear()
-                seconds = max(time.perf_counter() - tic, 1e-9)
-                bar.set_postfix_str(f"{docs / seconds:,.0f} docs/s, {tokens / seconds:,.0f} tokens/s", refresh=False)
-            bar.update(where - bar.n)
+            raise
         if buffer:
             f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
         bar.update(mine.size - bar.n)
-    return docs, tokens
+    return docs, tokens, docs - new
+
+
+def saved_scores(path: str) -> np.ndarray:
+    """The whole (file, offset, score, tokens) records of a scores file (memory-mapped; none if there is no file);
+    a last record cut short (a kill mid-write) is cut off the file."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    whole = size // SCORE_DTYPE.itemsize * SCORE_DTYPE.itemsize
+    if whole < size:
+        os.truncate(path, whole)
+    return np.memmap(path, SCORE_DTYPE, mode="r") if whole else np.zeros(0, SCORE_DTYPE)
 
 
 class AllScores:
@@ -243,28 +271,41 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     files = records.files(kind, pattern)
     out = paths.local(out)
     staging = os.path.join(out, ".parts")
-    # a filter killed past any clean-up (SIGKILL, a lost machine) leaves OUT holding only its staging: started again
+    part, parts = jax.process_index(), jax.process_count()
+    main = part == 0
+    key = _scores_key(run, kind, files, score_batch, max_rows, parts)
+    # an interrupted filter leaves OUT holding only its staging: its scores are gone on with when they are of the
+    # same documents, run and settings (Ctrl-C, SIGTERM, also SIGKILL or a lost machine), else it starts again
     stranded = os.path.isdir(out) and os.listdir(out) == [".parts"]
     made = stranded or not os.path.exists(out)
     if not stranded:  # filter never writes over earlier output
         paths.output(out, "filter --out", directory=True, inputs=[*files, os.path.join(run.workdir, "config.yaml")])
     records.check_not_empty(kind, files, source)
-    part, parts = jax.process_index(), jax.process_count()
-    main = part == 0
     distributed.barrier("filter:checked")  # every process has checked OUT before process 0 makes it
     tic = time.perf_counter()
     try:  # from the making of OUT on: a signal at any point (the barrier below starts JAX) takes it away
         if main:
-            if stranded:
-                print(f"filter: starting again in {out}, which an interrupted filter left unfinished", file=sys.stderr)
-                shutil.rmtree(staging)
-            os.makedirs(staging)
+            if stranded and _read_json(os.path.join(staging, RESUME)) == key:
+                for name in os.listdir(staging):  # all but the scores (the counts and decisions are made again)
+                    if not name.startswith("scores-") and name != RESUME:
+                        paths.remove(os.path.join(staging, name))
+                n = _scored(staging, parts)
+                print(f"filter: going on in {out} from the {n:,} documents an interrupted filter scored",
+                      file=sys.stderr)
+            else:
+                if stranded:
+                    print(f"filter: starting again in {out}, which an interrupted filter left unfinished (its scores"
+                          " are of other documents, another run or other settings)", file=sys.stderr)
+                    shutil.rmtree(staging)
+                os.makedirs(staging)
+                paths.write_json(os.path.join(staging, RESUME), key)
         distributed.barrier("filter:made")
         mine = records.share(kind, files, part, parts)
         score_file = os.path.join(staging, f"scores-{part:05d}.bin")
-        docs, tokens = _score_pass(run, kind, files, mine, pipeline.fields(run.cfg.data), score_file, score_batch,
-                                   max_rows, show=main)
-        paths.write_json(os.path.join(staging, f"count-{part:05d}.json"), {"documents": docs, "tokens": tokens})
+        docs, tokens, before = _score_pass(run, kind, files, mine, pipeline.fields(run.cfg.data), score_file,
+                                           score_batch, max_rows, show=main)
+        paths.write_json(os.path.join(staging, f"count-{part:05d}.json"),
+                         {"documents": docs, "tokens": tokens, "scored_before": before})
         distributed.barrier("filter:scored")
         all_scores = AllScores([os.path.join(staging, f"scores-{k:05d}.bin") for k in range(parts)])
         if all_scores.total == 0:
@@ -295,7 +336,9 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
             paths.write_json(os.path.join(out, "manifest.json"), manifest)
             shutil.rmtree(staging)
         return manifest
-    except BaseException:  # an error, Ctrl-C or SIGTERM (`metatrain.cli` raises it as a KeyboardInterrupt)
+    except BaseException as e:  # an error, Ctrl-C or SIGTERM (`metatrain.cli` raises it as a KeyboardInterrupt)
+        if main and isinstance(e, KeyboardInterrupt) and _keep_scores(out, staging, parts):
+            raise
         if main:  # nothing half-written is left behind: OUT goes, or what went into a folder the user made
             for name in os.listdir(out) if os.path.isdir(out) and not made else []:
                 paths.remove(os.path.join(out, name))
@@ -304,12 +347,49 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
         raise
 
 
+def _scores_key(run, kind, files, score_batch, max_rows, parts) -> dict:
+    """What a filter's scores are of: the run's checkpoint, the input's files as they are now (size and time of last
+    change), the settings that change a score and how the documents are shared between processes."""
+    return {"workdir": os.path.realpath(run.workdir), "step": run.step, "format": kind,
+            "files": records.fingerprint(files),
+            "score_batch": score_batch, "max_rows": max_rows, "processes": parts}
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _scored(staging: str, parts: int) -> int:
+    """The whole records in every process's scores file (read, not cut: another process may be writing its own)."""
+    size = lambda k: os.path.getsize(p) if os.path.exists(p := os.path.join(staging, f"scores-{k:05d}.bin")) else 0
+    return sum(size(k) // SCORE_DTYPE.itemsize for k in range(parts))
+
+
+def _keep_scores(out: str, staging: str, parts: int) -> bool:
+    """After Ctrl-C or SIGTERM: when documents were scored, OUT is left holding only its staging, whose scores the
+    same command goes on from (said on stderr); else nothing is kept."""
+    n = _scored(staging, parts)
+    if not n or not os.path.exists(os.path.join(staging, RESUME)):
+        return False
+    for name in os.listdir(out):
+        if name != ".parts":
+            paths.remove(os.path.join(out, name))
+    print(f"filter: the scores of the {n:,} documents scored so far are kept in {staging}: the same command goes on "
+          f"from them (or remove {out})", file=sys.stderr)
+    return True
+
+
 def _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, parts, sample, cdf_sample,
               seconds) -> dict:
     read = lambda name: [paths.read_json(os.path.join(staging, f"{name}-{k:05d}.json"), "filter's count")
                          for k in range(parts)]
     counts, kept = read("count"), read("kept")
     n_in, n_kept = sum(c["documents"] for c in counts), sum(c["documents"] for c in kept)
+    before = sum(c["scored_before"] for c in counts)  # by an interrupted filter into OUT
     t_in, t_kept = sum(c["tokens"] for c in counts), sum(c["tokens"] for c in kept)
     if method == "topk":
         group = round(batch / (1 - drop))
@@ -326,4 +406,4 @@ def _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, pa
             "tokens": {"in": t_in, "kept": t_kept},
             "score_quantiles": {str(q): float(np.quantile(sample, q)) for q in QUANTILES},
             "outputs": [k["output"] for k in kept if k["output"]], "processes": parts, "seconds": seconds,
-            "documents_per_second": n_in / max(seconds, 1e-9)}
+            "documents_scored_before": before, "documents_per_second": (n_in - before) / max(seconds, 1e-9)}

@@ -154,7 +154,9 @@ def cmd_filter(args) -> int:
     if jax.process_index() == 0:
         d, t = m["documents"], m["tokens"]
         print(f"kept {d['kept']:,} of {d['in']:,} documents ({100 * d['kept_fraction']:.2f}%), {t['kept']:,} of "
-              f"{t['in']:,} tokens; {m['documents_per_second']:,.0f} documents/s")
+              f"{t['in']:,} tokens; {m['documents_per_second']:,.0f} documents/s"
+              + (f" (going on from {m['documents_scored_before']:,} scored before)" if m["documents_scored_before"]
+                 else ""))
         out = paths.local(args.out)
         print(f"wrote {os.path.join(out, 'manifest.json')} and {', '.join(m['outputs']) or 'no file'}; train on them "
               f"with data.source={m['format']}:{os.path.join(out, '*.' + m['format'])}")
@@ -243,7 +245,8 @@ def register(sub) -> None:
     p = sub.add_parser("filter", help="keep 1-ρ of a corpus by a loss-weighting run's scores (curated data out)")
     p.add_argument("run", metavar="RUN", help="a `metatrain train` work dir of task loss_weighting")
     p.add_argument("--data", required=True, help="jsonl:PATH_OR_GLOB or parquet:PATH_OR_GLOB (written back as it is)")
-    p.add_argument("--out", required=True, help="a new directory: part-*.jsonl|parquet and manifest.json")
+    p.add_argument("--out", required=True, help="a new directory: part-*.jsonl|parquet and manifest.json (or the OUT "
+                                                "of a filter stopped while scoring: it goes on from its scores)")
     p.add_argument("--drop", type=common.fraction("the fraction to drop"), required=True,
                    help="ρ, the fraction of documents to drop, in (0, 1)")
     p.add_argument("--method", choices=["topk", "p_accept"], default="topk",

@@ -3,6 +3,7 @@
 
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -201,7 +202,8 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_run, tmp_path, capsys):
 
 def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_run, tmp_path, capsys):
     """SIGTERM (a scheduler, `timeout`) stops `filter` as Ctrl-C does: OUT goes, exit 143. A filter killed past any
-    clean-up (SIGKILL) leaves OUT holding only `.parts/`: the next run starts again there and finishes."""
+    clean-up (SIGKILL) before it wrote what its scores are of leaves OUT holding only `.parts/`: the next run starts
+    again there and finishes."""
     import signal
     import time
 
@@ -218,12 +220,61 @@ def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_ru
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "metatrain filter: stopped by SIGTERM" in err, err[-3000:]
-    assert "Traceback" not in err and not out.exists()
+    # nothing kept, unless documents were scored by then (a loaded machine): then their scores, said so
+    assert "Traceback" not in err and (not out.exists() or "kept in" in err and os.listdir(out) == [".parts"])
+    shutil.rmtree(out, ignore_errors=True)
     (out / ".parts").mkdir(parents=True)  # as SIGKILL leaves it
     (out / ".parts" / "scores-00000.bin").write_bytes(b"\0" * 24)
     assert _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3") == 0
     assert "starting again" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.jsonl"]
+
+
+def test_a_stopped_filter_goes_on_from_the_documents_it_scored(shared_run, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) after 100 of 240 documents are scored: OUT keeps only `.parts/`, said in a line; the same
+    command then scores only the other 140 (after a kill's cut-off last record, cut off) and writes what a filter
+    never stopped writes, byte for byte. A changed input file starts again; so does another --max-rows."""
+    from metatrain import scores
+
+    real, scored = scores.score_stream, []
+
+    def counted(*args, stop=None):
+        for item in real(*args):
+            if len(scored) == stop:
+                raise KeyboardInterrupt
+            scored.append(item[0].offset)
+            yield item
+
+    path, _ = _corpus(tmp_path)
+    run, out, whole = shared_run["workdir"], tmp_path / "cur", tmp_path / "whole"
+    args = ["--data", f"jsonl:{path}", "--drop", 0.3, "--batch", 8, "--score-batch", 8]
+    monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=100))
+    assert _filter(run, *args, "--out", out) == 130
+    err = capsys.readouterr().err
+    assert f"the scores of the 100 documents scored so far are kept in {out}/.parts" in err, err
+    assert [p.name for p in out.iterdir()] == [".parts"]
+    with open(out / ".parts" / "scores-00000.bin", "ab") as f:
+        f.write(b"\1" * 7)  # a kill in the middle of a record
+    first, scored[:] = list(scored), []
+    monkeypatch.setattr(scores, "score_stream", counted)
+    assert _filter(run, *args, "--out", out) == 0
+    assert "going on in" in capsys.readouterr().err and len(scored) == 140 and not set(first) & set(scored)
+    assert _filter(run, *args, "--out", whole) == 0
+    assert (out / "part-00000.jsonl").read_bytes() == (whole / "part-00000.jsonl").read_bytes()
+    resumed, never = (json.loads((d / "manifest.json").read_text()) for d in (out, whole))
+    assert resumed.pop("documents_scored_before") == 100 and never.pop("documents_scored_before") == 0
+    drop_time = lambda m: {k: v for k, v in m.items() if k not in ("seconds", "documents_per_second")}
+    assert drop_time(resumed) == drop_time(never)
+    for change in (lambda: path.write_text(path.read_text() + "\n"), lambda: args.extend(["--max-rows", 2])):
+        shutil.rmtree(out)
+        monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=100))
+        scored[:] = []
+        assert _filter(run, *args, "--out", out) == 130
+        change()
+        monkeypatch.setattr(scores, "score_stream", counted)
+        scored[:] = []
+        assert _filter(run, *args, "--out", out) == 0
+        assert "starting again" in capsys.readouterr().err and len(scored) == 240
 
 
 def test_a_stop_right_after_out_is_made_takes_it_away(shared_run, tmp_path, monkeypatch, capsys):
