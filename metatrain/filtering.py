@@ -133,7 +133,8 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
                     f.write(np.asarray(buffer, SCORE_DTYPE).tobytes())
                     buffer.clear()
                     seconds = max(time.perf_counter() - tic, 1e-9)
-                    bar.set_postfix_str(f"{new / seconds:,.0f} docs/s, {new_tokens / seconds:,.0f} tokens/s",
+                    rate = f"{new_tokens / seconds:,.0f} tokens/s"  # documents/s: the bar's own rate for Parquet
+                    bar.set_postfix_str(f"{new / seconds:,.0f} docs/s, {rate}" if kind == "jsonl" else rate,
                                         refresh=False)
                 bar.update(where - bar.n)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was scored is kept for the next run
