@@ -328,6 +328,25 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("filter stopped by SIGTERM", ["filter", run, "--data", "jsonl:big.jsonl", "--out", "cur",
                                                    "--drop", "0.3"], None, setup=big, absent=("cur",),
                      interrupt=("cur/.parts", signal.SIGTERM)))
+
+    def stopped_filter(d):  # a filter stopped by SIGTERM once it has written scores (every 4,096 documents)
+        write(d / "large.jsonl", open(docs).read() * 600)
+        proc = subprocess.Popen([sys.executable, "-m", "metatrain.cli", "filter", run, "--data", "jsonl:large.jsonl",
+                                 "--out", "cur", "--drop", "0.3"], cwd=d, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        scores, deadline = d / "cur" / ".parts" / "scores-00000.bin", time.time() + 120
+        while not (scores.exists() and scores.stat().st_size) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+    def went_on(d, out):
+        manifest = json.loads((d / "cur" / "manifest.json").read_text())
+        return 0 < manifest.get("documents_scored_before", 0) < manifest["documents"]["in"]
+
+    out.append(Probe("filter again after a stop in its scoring", ["filter", run, "--data", "jsonl:large.jsonl",
+                                                                  "--out", "cur", "--drop", "0.3"], None,
+                     setup=stopped_filter, check=went_on))
     out.append(Probe("filter after a SIGKILL left .parts", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur",
                                                             "--drop", "0.3"], None,
                      setup=lambda d: write(d / "cur" / ".parts" / "scores-00000.bin", b"\0" * 24),
