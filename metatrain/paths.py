@@ -199,7 +199,7 @@ def naming(path: str):
 def staged_file(path: str):
     """Write `path` through `path.tmp`: the block writes the temporary file, which replaces `path` at the end; an
     error or a signal (KeyboardInterrupt) in the block removes it, so nothing half-written is ever left."""
-    tmp, first = f"{path}.tmp", _first_missing(os.path.dirname(path))
+    tmp, first = f"{path}.tmp", first_missing(os.path.dirname(path))
     try:  # from the making of its folders on: a signal at any point takes them away
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with naming(path):  # the file it was for
@@ -212,7 +212,7 @@ def staged_file(path: str):
             remove(first)
 
 
-def _first_missing(folder: str) -> str | None:
+def first_missing(folder: str) -> str | None:
     """The highest folder on the way to `folder` that does not exist yet (None: it exists)."""
     first = None
     while folder and not os.path.exists(folder):
@@ -224,7 +224,7 @@ def _first_missing(folder: str) -> str | None:
 def filled_dir(path: str):
     """A directory the block fills (made if missing): an error or a signal in the block takes out what the block
     put there (the whole directory when the block made it), so a re-run finds it as it was."""
-    first = _first_missing(path)
+    first = first_missing(path)
     before = set() if first else set(os.listdir(path))
     try:  # from the making of the folder on: a signal at any point takes it away
         os.makedirs(path, exist_ok=True)

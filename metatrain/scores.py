@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 
 import jax
@@ -168,7 +169,9 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
     the run's data.source). Returns (the path, the number of documents).
 
     OUT is checked before any scoring (`paths.output`): one of the inputs, a directory, or an existing file
-    without `overwrite` is refused; it is written through OUT.tmp, removed on any error or signal."""
+    without `overwrite` is refused; it is written through OUT.tmp, removed on any error or signal. The scores of a
+    JSONL or Parquet source stopped by Ctrl-C or SIGTERM (or killed) are kept in OUT.scores.tmp, and the same
+    command goes on from them."""
     run = Run.open(workdir).meta_training()  # reads metadata only: the output is checked before any scoring
     source = paths.prefixed(source, PATH_SOURCES)
     spec = source or run.cfg.data.source
@@ -198,29 +201,84 @@ def scores(workdir: str, source: str | None = None, out: str | None = None, max_
 
 def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -> tuple[str, int]:
     """`scores` of a JSONL or Parquet source, streamed: one pass scores every document into OUT.scores.tmp (and the
-    log-mean of e^score the weights need), a second writes OUT with the weights."""
+    log-mean of e^score the weights need), a second writes OUT with the weights. Stopped by Ctrl-C or SIGTERM once
+    documents are scored (or killed outright), it keeps OUT.scores.tmp, and the same command goes on from it."""
     kind, pattern = records.input_format(spec)
     files = records.files(kind, pattern)
     mine = records.share(kind, files, 0, 1)
     tmp = f"{out}.scores.tmp"  # the first pass's; OUT itself is written through OUT.tmp
-    try:
-        with paths.staged_file(out) as final:
-            n = _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final)
-        return out, n
-    finally:
-        paths.remove(tmp)
-
-
-def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final) -> int:
-    """Scores into `tmp` (and the log-mean of e^score), then the lines with weights into `final`; the count."""
     d = run.cfg.data
-    n, finite, log_sum = 0, 0, -math.inf
-    with open(tmp, "w") as f, progress.bar(mine.size, "scoring", unit="B" if kind == "jsonl" else " docs",
+    key = {"run": os.path.realpath(run.workdir), "step": run.step, "format": kind, "files": records.fingerprint(files),
+           "batch": d.batch, "max_rows": max_rows, "id_field": d.id_field}  # what the first pass's scores are of
+    folder, kept = paths.first_missing(os.path.dirname(out)), False
+    try:  # from the making of OUT's folder on: a signal at any point takes it away, unless scores are kept in it
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with paths.staged_file(out) as final:
+            n = _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, key, final)
+        return out, n
+    except KeyboardInterrupt:
+        n = _lines(tmp) - 1  # after what the scores are of
+        if n > 0:
+            kept = True
+            print(f"scores: the scores of the {n:,} documents scored so far are kept in {tmp}: the same command goes "
+                  "on from them (or remove it)", file=sys.stderr)
+        raise
+    finally:
+        if not kept:
+            paths.remove(tmp)
+            if folder and not os.path.exists(out):
+                paths.remove(folder)
+
+
+def _lines(path: str) -> int:
+    """The whole lines of a file (0 if there is none)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def _first_pass_state(tmp: str, key: dict) -> tuple[int, int, float, tuple[int, int] | None]:
+    """(documents, finite scores, log-sum of e^score, the last document's file and offset) of the first pass's file
+    `tmp` when its scores are of `key` (its first line), else nothing scored; a last line cut short (a kill) is cut
+    off the file."""
+    n, finite, log_sum, last = 0, 0, -math.inf, None
+    try:
+        with open(tmp, "rb") as f:
+            if json.loads(f.readline()) != key:
+                return 0, 0, -math.inf, None
+            end = f.tell()
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                _, score, file, offset = json.loads(line)
+                n, end, last = n + 1, end + len(line), (file, offset)
+                if score is not None:
+                    finite, log_sum = finite + 1, np.logaddexp(log_sum, score)
+    except (OSError, ValueError):
+        return 0, 0, -math.inf, None
+    if end < os.path.getsize(tmp):
+        os.truncate(tmp, end)
+    return n, finite, log_sum, last
+
+
+def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, key, final) -> int:
+    """Scores into `tmp` (and the log-mean of e^score), going on after the documents it holds scores of (`key`:
+    what they must be of), then the lines with weights into `final`; the count."""
+    d = run.cfg.data
+    n, finite, log_sum, last = _first_pass_state(tmp, key)
+    if n:
+        print(f"scores: going on from the {n:,} documents in {tmp} that a stopped run scored", file=sys.stderr)
+    else:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(key) + "\n")
+    with open(tmp, "a") as f, progress.bar(mine.size, "scoring", unit="B" if kind == "jsonl" else " docs",
                                            unit_scale=kind == "jsonl") as bar:
-        for rec, _, score, where in score_stream(fn, run.restored("meta"), records.read(kind, files, mine, fields(d),
-                                                                                   d.id_field),
-                                                 encode, d.seq_len, d.batch, max_rows):
-            f.write(json.dumps([rec.id, score if math.isfinite(score) else None]) + "\n")
+        items = records.after(records.read(kind, files, mine, fields(d), d.id_field), n, last, tmp,
+                              on_skip=lambda where: bar.update(where - bar.n))
+        for rec, _, score, where in score_stream(fn, run.restored("meta"), items, encode, d.seq_len, d.batch,
+                                                 max_rows):
+            f.write(json.dumps([rec.id, score if math.isfinite(score) else None, rec.file, rec.offset]) + "\n")
             n += 1
             if math.isfinite(score):
                 finite += 1
@@ -233,8 +291,9 @@ def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, final) 
                         "one token); nothing to score")
     log_mean = log_sum - math.log(finite)
     with open(tmp) as f, open(final, "w") as g:
+        f.readline()  # what the scores are of
         for line in f:
-            doc_id, score = json.loads(line)
+            doc_id, score, _, _ = json.loads(line)
             weight = None if score is None else d.batch / (1 + (d.batch - 1) * math.exp(log_mean - score))
             g.write(json.dumps({"id": doc_id, "score": score, "weight": weight}) + "\n")
     return n
