@@ -40,7 +40,7 @@ class Probe:
     says: str | None  # a needle of the one error line; None: the command must succeed
     setup: Callable[[Path], None] = lambda d: None
     user_files: tuple[str, ...] = ()  # files (relative to d) that must come out unchanged
-    check: Callable[[Path, str], bool] = lambda d, out: True  # for a command that must succeed
+    check: Callable[[Path, str], bool] = lambda d, out: True  # for a command that must succeed: (d, its output)
     limit: float = 240.0
     absent: tuple[str, ...] = ()  # paths (relative to d) that must not exist afterwards: nothing half-written
     # (a path relative to d, a signal): once the path exists (or after 3 s when it is ""), the signal is sent; the
@@ -347,6 +347,21 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("filter again after a stop in its scoring", ["filter", run, "--data", "jsonl:large.jsonl",
                                                                   "--out", "cur", "--drop", "0.3"], None,
                      setup=stopped_filter, check=went_on))
+
+    def stopped_scores(d):  # scores stopped by SIGTERM once it has written lines of scores
+        write(d / "large.jsonl", open(docs).read() * 600)
+        proc = subprocess.Popen([sys.executable, "-m", "metatrain.cli", "scores", run, "--data", "jsonl:large.jsonl",
+                                 "--out", "s.jsonl"], cwd=d, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kept, deadline = d / "s.jsonl.scores.tmp", time.time() + 120
+        while not (kept.exists() and kept.stat().st_size > 16384) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+    out.append(Probe("scores again after a stop", ["scores", run, "--data", "jsonl:large.jsonl", "--out", "s.jsonl"],
+                     None, setup=stopped_scores, absent=("s.jsonl.scores.tmp",),
+                     check=lambda d, o: "going on from" in o and sum(1 for _ in open(d / "s.jsonl")) == 48_000))
     out.append(Probe("filter after a SIGKILL left .parts", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur",
                                                             "--drop", "0.3"], None,
                      setup=lambda d: write(d / "cur" / ".parts" / "scores-00000.bin", b"\0" * 24),
@@ -511,7 +526,7 @@ def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
         return False, "TRACEBACK: " + res.stderr.strip().splitlines()[-1][:200], seconds
     errors = [line for line in res.stderr.splitlines() if line.startswith("metatrain ") and ": error: " in line]
     if p.says is None:
-        ok = res.returncode == 0 and p.check(d, res.stdout)
+        ok = res.returncode == 0 and p.check(d, res.stdout + res.stderr)
         return ok, "ok" if ok else f"WRONG: exit {res.returncode} {(errors or [''])[0][:200]}", seconds
     if res.returncode != 2 or len(errors) != 1:
         usage = res.returncode == 2 and "usage:" in res.stderr and p.says in res.stderr  # argparse's own line
