@@ -141,6 +141,21 @@ def assert_same_first_meta_gradient(a, b) -> None:
     assert abs(x["meta_grad_norm"] - y["meta_grad_norm"]) <= 1e-12 * abs(x["meta_grad_norm"]), (x, y)
 
 
+class StoppedScoring:
+    """A stand-in for `metatrain.scores.score_stream` (set it with monkeypatch): the real stream's documents, each
+    one's offset added to `scored`; Ctrl-C (a KeyboardInterrupt) once `stop` documents were, if `stop` is given."""
+
+    def __init__(self, real, scored: list, stop: int | None = None):
+        self.real, self.scored, self.stop = real, scored, stop
+
+    def __call__(self, *args):
+        for item in self.real(*args):
+            if len(self.scored) == self.stop:
+                raise KeyboardInterrupt
+            self.scored.append(item[0].offset)
+            yield item
+
+
 def cli_run(capsys, *argv) -> tuple[int, str, str]:
     """`metatrain ARGV...` in this process (`cli.main`): (exit code, stdout, stderr)."""
     from metatrain import cli

@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import StoppedScoring
 
 from metatrain import cli, filtering
 from metatrain.data.sources import open_source
@@ -237,18 +238,10 @@ def test_a_stopped_filter_goes_on_from_the_documents_it_scored(shared_run, tmp_p
     from metatrain import scores
 
     real, scored = scores.score_stream, []
-
-    def counted(*args, stop=None):
-        for item in real(*args):
-            if len(scored) == stop:
-                raise KeyboardInterrupt
-            scored.append(item[0].offset)
-            yield item
-
     path, _ = _corpus(tmp_path)
     run, out, whole = shared_run["workdir"], tmp_path / "cur", tmp_path / "whole"
     args = ["--data", f"jsonl:{path}", "--drop", 0.3, "--batch", 8, "--score-batch", 8]
-    monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=100))
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored, stop=100))
     assert _filter(run, *args, "--out", out) == 130
     err = capsys.readouterr().err
     assert f"the scores of the 100 documents scored so far are kept in {out}/.parts" in err, err
@@ -256,7 +249,7 @@ def test_a_stopped_filter_goes_on_from_the_documents_it_scored(shared_run, tmp_p
     with open(out / ".parts" / "scores-00000.bin", "ab") as f:
         f.write(b"\1" * 7)  # a kill in the middle of a record
     first, scored[:] = list(scored), []
-    monkeypatch.setattr(scores, "score_stream", counted)
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored))
     assert _filter(run, *args, "--out", out) == 0
     assert "going on in" in capsys.readouterr().err and len(scored) == 140 and not set(first) & set(scored)
     assert _filter(run, *args, "--out", whole) == 0
@@ -267,11 +260,11 @@ def test_a_stopped_filter_goes_on_from_the_documents_it_scored(shared_run, tmp_p
     assert drop_time(resumed) == drop_time(never)
     for change in (lambda: path.write_text(path.read_text() + "\n"), lambda: args.extend(["--max-rows", 2])):
         shutil.rmtree(out)
-        monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=100))
+        monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored, stop=100))
         scored[:] = []
         assert _filter(run, *args, "--out", out) == 130
         change()
-        monkeypatch.setattr(scores, "score_stream", counted)
+        monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored))
         scored[:] = []
         assert _filter(run, *args, "--out", out) == 0
         assert "starting again" in capsys.readouterr().err and len(scored) == 240

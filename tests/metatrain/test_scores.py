@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import cli_run, one_line_error, saved_state
+from helpers import StoppedScoring, cli_run, one_line_error, saved_state
 
 from metatrain import cli
 from metatrain import config as config_lib
@@ -141,19 +141,11 @@ def test_stopped_scores_go_on_from_the_documents_scored(shared_run, tmp_path, mo
     from metatrain import scores
 
     real, scored = scores.score_stream, []
-
-    def counted(*args, stop=None):
-        for item in real(*args):
-            if len(scored) == stop:
-                raise KeyboardInterrupt
-            scored.append(item[0].offset)
-            yield item
-
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": f"d{i}", "text": f"x = {i} " * (1 + i % 9)}) + "\n" for i in range(80)))
     run, out, whole = str(shared_run["workdir"]), tmp_path / "new" / "s.jsonl", tmp_path / "whole.jsonl"
     argv = ["scores", run, "--data", f"jsonl:{path}", "--out"]
-    monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=30))
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored, stop=30))
     assert cli.main([*argv, str(out)]) == 130
     err = capsys.readouterr().err
     assert f"the scores of the 30 documents scored so far are kept in {out}.scores.tmp" in err, err
@@ -161,17 +153,17 @@ def test_stopped_scores_go_on_from_the_documents_scored(shared_run, tmp_path, mo
     with open(f"{out}.scores.tmp", "a") as f:
         f.write('["d30", 0.5')  # a kill in the middle of a line
     first, scored[:] = list(scored), []
-    monkeypatch.setattr(scores, "score_stream", counted)
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored))
     assert cli.main([*argv, str(out)]) == 0
     assert len(scored) == 50 and not set(first) & set(scored) and "going on from the 30 documents" in \
         capsys.readouterr().err
     assert cli.main([*argv, str(whole)]) == 0
     assert out.read_bytes() == whole.read_bytes() and sorted(p.name for p in out.parent.iterdir()) == ["s.jsonl"]
     out.unlink()
-    monkeypatch.setattr(scores, "score_stream", lambda *a: counted(*a, stop=30))
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored, stop=30))
     scored[:] = []
     assert cli.main([*argv, str(out)]) == 130
     path.write_text(path.read_text() + "\n")
-    monkeypatch.setattr(scores, "score_stream", counted)
+    monkeypatch.setattr(scores, "score_stream", StoppedScoring(real, scored))
     scored[:] = []
     assert cli.main([*argv, str(out)]) == 0 and len(scored) == 80
