@@ -25,7 +25,6 @@ OUT/.parts: the same command, run again, scores only the documents after those a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -113,7 +112,7 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     encode = encoder(run.cfg.data, run.tokenizer())
     fn = jax.jit(run.task.scores)
     meta = run.restored("meta")
-    saved = saved_scores(out_path)
+    saved = _saved_scores(out_path)
     docs, tokens = len(saved), int(saved["tokens"].sum(dtype=np.int64))
     last = (int(saved["file"][-1]), int(saved["offset"][-1])) if docs else None
     new = new_tokens = 0  # scored in this run
@@ -147,7 +146,7 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     return docs, tokens, docs - new
 
 
-def saved_scores(path: str) -> np.ndarray:
+def _saved_scores(path: str) -> np.ndarray:
     """The whole (file, offset, score, tokens) records of a scores file (memory-mapped; none if there is no file);
     a last record cut short (a kill mid-write) is cut off the file."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
@@ -286,7 +285,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
     tic = time.perf_counter()
     try:  # from the making of OUT on: a signal at any point (the barrier below starts JAX) takes it away
         if main:
-            if stranded and _read_json(os.path.join(staging, RESUME)) == key:
+            if stranded and _kept_key(staging) == key:
                 for name in os.listdir(staging):  # all but the scores (the counts and decisions are made again)
                     if not name.startswith("scores-") and name != RESUME:
                         paths.remove(os.path.join(staging, name))
@@ -356,11 +355,11 @@ def _scores_key(run, kind, files, score_batch, max_rows, parts) -> dict:
             "score_batch": score_batch, "max_rows": max_rows, "processes": parts}
 
 
-def _read_json(path: str):
+def _kept_key(staging: str) -> dict | None:
+    """What the scores kept in `staging` are of (`_scores_key`); None where none is written or it is unreadable."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return paths.read_json(os.path.join(staging, RESUME), "filter's resume file")
+    except (OSError, DataError):
         return None
 
 
