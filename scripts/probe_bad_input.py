@@ -329,38 +329,33 @@ def probes(f: dict) -> list[Probe]:
                                                    "--drop", "0.3"], None, setup=big, absent=("cur",),
                      interrupt=("cur/.parts", signal.SIGTERM)))
 
-    def stopped_filter(d):  # a filter stopped by SIGTERM once it has written scores (every 4,096 documents)
-        write(d / "large.jsonl", open(docs).read() * 600)
-        proc = subprocess.Popen([sys.executable, "-m", "metatrain.cli", "filter", run, "--data", "jsonl:large.jsonl",
-                                 "--out", "cur", "--drop", "0.3"], cwd=d, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        scores, deadline = d / "cur" / ".parts" / "scores-00000.bin", time.time() + 120
-        while not (scores.exists() and scores.stat().st_size) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    size = lambda path: path.stat().st_size if path.exists() else 0
+
+    def stopped(argv, ready):  # a setup: `argv` on a 48,000-document corpus, stopped by SIGTERM once ready(d)
+        def setup(d):
+            write(d / "large.jsonl", open(docs).read() * 600)
+            proc = subprocess.Popen([sys.executable, "-m", "metatrain.cli", *argv], cwd=d,
+                                    env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            deadline = time.time() + 120
+            while not ready(d) and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+
+        return setup
 
     def went_on(d, out):
         manifest = json.loads((d / "cur" / "manifest.json").read_text())
         return 0 < manifest.get("documents_scored_before", 0) < manifest["documents"]["in"]
 
-    out.append(Probe("filter again after a stop in its scoring", ["filter", run, "--data", "jsonl:large.jsonl",
-                                                                  "--out", "cur", "--drop", "0.3"], None,
-                     setup=stopped_filter, check=went_on))
+    again = ["filter", run, "--data", "jsonl:large.jsonl", "--out", "cur", "--drop", "0.3"]
+    out.append(Probe("filter again after a stop in its scoring", again, None, check=went_on,
+                     setup=stopped(again, lambda d: size(d / "cur" / ".parts" / "scores-00000.bin") > 0)))  # 4,096
 
-    def stopped_scores(d):  # scores stopped by SIGTERM once it has written lines of scores
-        write(d / "large.jsonl", open(docs).read() * 600)
-        proc = subprocess.Popen([sys.executable, "-m", "metatrain.cli", "scores", run, "--data", "jsonl:large.jsonl",
-                                 "--out", "s.jsonl"], cwd=d, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        kept, deadline = d / "s.jsonl.scores.tmp", time.time() + 120
-        while not (kept.exists() and kept.stat().st_size > 16384) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-
-    out.append(Probe("scores again after a stop", ["scores", run, "--data", "jsonl:large.jsonl", "--out", "s.jsonl"],
-                     None, setup=stopped_scores, absent=("s.jsonl.scores.tmp",),
+    again = ["scores", run, "--data", "jsonl:large.jsonl", "--out", "s.jsonl"]
+    out.append(Probe("scores again after a stop", again, None, absent=("s.jsonl.scores.tmp",),
+                     setup=stopped(again, lambda d: size(d / "s.jsonl.scores.tmp") > 16384),  # lines of scores
                      check=lambda d, o: "going on from" in o and sum(1 for _ in open(d / "s.jsonl")) == 48_000))
     out.append(Probe("filter after a SIGKILL left .parts", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur",
                                                             "--drop", "0.3"], None,
