@@ -68,6 +68,8 @@ class DataConfig:
         for name in ("seq_len", "batch", "inner_steps", "shuffle_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"data.{name} must be > 0, got {getattr(self, name)}")
+        if self.seed < 0:  # Grain shuffles with seeds 0 to 2^32 - 1 (each window's: data.seed + its number)
+            raise ConfigError(f"data.seed must be >= 0, got {self.seed}")
         if self.shards < 0:
             raise ConfigError(f"data.shards must be >= 0 (0 = one per process), got {self.shards}")
         if self.outer_every < 2:

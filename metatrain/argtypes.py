@@ -11,8 +11,13 @@ import argparse
 import math
 from pathlib import Path
 
+# The largest whole number a command or a config key takes: JAX computes in 32-bit integers (x64 off), and a size,
+# count or seed past that overflows far from where it was given (in a compiled program, numpy or Grain)
+MAX_INT = 2**31 - 1
+TOO_LARGE = f"at most {MAX_INT} (a 32-bit integer)"
 
-def number(kind, low: float, high: float, what: str):
+
+def number(kind, low: float, high: float, what: str, above: str | None = None):
     """An argparse type: a `kind` (int or float) in [low, high].
 
     Args:
@@ -20,6 +25,7 @@ def number(kind, low: float, high: float, what: str):
       low: the smallest value allowed.
       high: the largest value allowed (`math.inf`: no bound).
       what: the range in words, for the error ("must be {what}, got ...").
+      above: the error's words for a value above `high` (default: `what`).
 
     Returns:
       A function from the flag's text to its value.
@@ -30,14 +36,14 @@ def number(kind, low: float, high: float, what: str):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' * (kind is int)}number") from None
         if not low <= value <= high:  # (NaN is in no range)
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {above if above and value > high else what}, got {text}")
         return value
 
     return parse
 
 
-positive_int = number(int, 1, math.inf, ">= 1")
-nonnegative_int = number(int, 0, math.inf, ">= 0")
+positive_int = number(int, 1, MAX_INT, ">= 1", above=TOO_LARGE)
+nonnegative_int = number(int, 0, MAX_INT, ">= 0", above=TOO_LARGE)
 
 
 def mesh_size(text: str) -> int:
@@ -48,6 +54,8 @@ def mesh_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value != -1 and value < 1:
         raise argparse.ArgumentTypeError(f"must be -1 (all the devices) or >= 1, got {text}")
+    if value > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be {TOO_LARGE}, got {text}")
     return value
 
 
@@ -59,6 +67,8 @@ def positive_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be a comma list of whole numbers, e.g. 2,8; got {text!r}") from None
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"must be whole numbers >= 1, got {text}")
+    if max(values) > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be whole numbers {TOO_LARGE}, got {text}")
     return values
 
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from metatrain import paths
+from metatrain.argtypes import MAX_INT
 from metatrain.data.pipeline import SOURCE_FIELDS, DataConfig
 from metatrain.data.sources import PATH_SOURCES, missing_path
 from metatrain.data.tokenizer import HF_PREFIX
@@ -229,7 +230,23 @@ def validate(cfg: Config, local_files: bool = True) -> Config:
            f"task {cfg.task!r} has no meta model to configure (loss_weighting's scorer is one); drop the meta_model.* "
            "settings")
     validate_population(cfg, cls)
+    _representable(cfg)
     return cfg
+
+
+def _representable(node, prefix: str = "") -> None:
+    """Every whole number of the config a 32-bit integer (JAX's; a larger size, count or seed overflows in a compiled
+    program, numpy or Grain) and every other number finite."""
+    for field in dataclasses.fields(node):
+        value, key = getattr(node, field.name), prefix + field.name
+        if dataclasses.is_dataclass(value):
+            _representable(value, key + ".")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _check(-MAX_INT - 1 <= value <= MAX_INT, key,
+                   f"must be {'at most' if value > 0 else 'at least'} {MAX_INT if value > 0 else -MAX_INT - 1} "
+                   f"(a 32-bit integer), got {value}")
+        elif isinstance(value, float):
+            _check(math.isfinite(value), key, f"must be a finite number, got {value}")
 
 
 def validate_population(cfg: Config, cls) -> None:

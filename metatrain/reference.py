@@ -18,7 +18,8 @@ INTRO = """# Configuration reference
 
 Every key of a run config (`metatrain train` / `pretrain`): give it as `key=value` on the command line, or in a
 YAML preset (`configs/*.yaml`) or file. Made from the config dataclasses by `python -m metatrain.reference`; a test
-checks that it lists every field and matches them.
+checks that it lists every field and matches them. Whole numbers are 32-bit integers (at most 2147483647)
+and the others finite: a value out of its range is refused in one line naming the key, before anything runs.
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 
 import jax.numpy as jnp
 
@@ -72,12 +73,15 @@ class ModelConfig:
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ConfigError(f"model.rope_scaling must be one of {ROPE_SCALINGS} ('' = none), "
                               f"got {self.rope_scaling!r}")
-        if self.rope_scaling and not (self.rope_factor > 0 and 0 < self.rope_low_freq_factor
-                                      < self.rope_high_freq_factor and self.rope_original_max_positions > 0):
-            raise ConfigError("model.rope_*: llama3 scaling needs rope_factor > 0, 0 < rope_low_freq_factor < "
+        scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor)
+        if self.rope_scaling and not (all(map(math.isfinite, scaling)) and self.rope_factor > 0 and 0 <
+                                      self.rope_low_freq_factor < self.rope_high_freq_factor and
+                                      self.rope_original_max_positions > 0):
+            raise ConfigError("model.rope_*: llama3 scaling needs finite rope_factor > 0, 0 < rope_low_freq_factor < "
                               "rope_high_freq_factor and rope_original_max_positions > 0")
-        if not self.rope_base > 0 or not self.norm_eps > 0:
-            raise ConfigError(f"model.rope_base and model.norm_eps must be > 0, got {self.rope_base}, {self.norm_eps}")
+        if not all(math.isfinite(v) and v > 0 for v in (self.rope_base, self.norm_eps)):
+            raise ConfigError(f"model.rope_base and model.norm_eps must be finite numbers > 0, got {self.rope_base}, "
+                              f"{self.norm_eps}")
         if self.kv_size < 0:
             raise ConfigError(f"model.kv_size must be >= 0 (0 = d_model // n_heads), got {self.kv_size}")
         if self.kv_size == 0 and self.d_model % self.n_heads:

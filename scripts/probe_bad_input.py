@@ -127,6 +127,12 @@ def probes(f: dict) -> list[Probe]:
         ("model.attention_block", "0", "attention_block"), ("data.tokenizer", "nope", "tokenizer"),
         ("data.tokenizer", "hf:nodir", "tokenizer"), ("seed", "abc", "seed"), ("steps", "1.5", "steps"),
         ("workdir", "", "workdir"), ("data.inner_steps", "0", "inner_steps"), ("model.n_heads", "0", "n_heads"),
+        # past a 32-bit integer, or not finite: tracebacks from JAX, numpy or Grain before
+        ("seed", "99999999999999999999", "seed: must be at most 2147483647"), ("data.seed", "-1", "data.seed"),
+        ("data.seed", "99999999999999999999", "data.seed: must be at most"),
+        ("model.n_layers", "99999999999999999999", "model.n_layers: must be at most"),
+        ("data.seq_len", "99999999999999999999", "data.seq_len: must be at most"),
+        ("model.norm_eps", "inf", "model.norm_eps must be finite"),
     ]:
         out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
     out.append(Probe("cosine warmup past the run", train("meta_opt.schedule=cosine", "meta_opt.warmup_steps=5"),
@@ -382,6 +388,12 @@ def probes(f: dict) -> list[Probe]:
                      setup=lambda d: write(d / "e.jsonl", "")))
     out.append(Probe("generate 10^9 new tokens", gen("--prompt", "def", "--max-new-tokens", "1000000000"),
                      "KV cache"))
+    for name, argv in (("generate --seed", gen("--prompt", "def", "--seed", "99999999999999999999")),
+                       ("check-grads --inner-steps", ["check-grads", "--inner-steps", "99999999999999999999"]),
+                       ("filter --score-batch", ["filter", run, "--data", "jsonl:x.jsonl", "--out", "o", "--drop",
+                                                 "0.5", "--score-batch", "99999999999999999999"]),
+                       ("bench memory --seq-len", ["bench", "memory", "--seq-len", "99999999999999999999"])):
+        out.append(Probe(f"{name} past a 32-bit integer", argv, "must be at most 2147483647 (a 32-bit integer)"))
     out.append(Probe("generate --top-k above the vocabulary", gen("--prompt", "def", "--max-new-tokens", "3",
                                                                   "--top-k", "1000000", "--temperature", "1"), None))
     out.append(Probe("generate stopped by Ctrl-C", gen("--prompt", "def", "--max-new-tokens", "200000"), None,

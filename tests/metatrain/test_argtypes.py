@@ -16,6 +16,12 @@ from metatrain import argtypes
     (argtypes.positive_int, "0", "must be >= 1, got 0"),
     (argtypes.positive_int, "1.5", "'1.5' is not a whole number"),
     (argtypes.nonnegative_int, "-1", "must be >= 0, got -1"),
+    (argtypes.positive_int, "2147483648", "must be at most 2147483647 (a 32-bit integer), got 2147483648"),
+    (argtypes.nonnegative_int, "99999999999999999999",
+     "must be at most 2147483647 (a 32-bit integer), got 99999999999999999999"),
+    (argtypes.mesh_size, "2147483648", "must be at most 2147483647 (a 32-bit integer), got 2147483648"),
+    (argtypes.positive_ints, "2,2147483648",
+     "must be whole numbers at most 2147483647 (a 32-bit integer), got 2,2147483648"),
     (argtypes.number(int, 0, 65535, "a TCP port"), "65536", "must be a TCP port, got 65536"),
     (argtypes.number(float, 0, math.inf, "seconds >= 0"), "nan", "must be seconds >= 0, got nan"),
     (argtypes.number(float, 0, math.inf, "seconds"), "ten", "'ten' is not a number"),
@@ -31,6 +37,7 @@ def test_out_of_range_says_what_the_range_is(parse, text, says):
 
 def test_values_in_range_come_back_typed():
     assert argtypes.positive_int("3") == 3 and argtypes.nonnegative_int("0") == 0
+    assert argtypes.positive_int("2147483647") == argtypes.mesh_size("2147483647") == 2**31 - 1
     assert argtypes.number(float, 0, math.inf, "")("0") == 0.0 and argtypes.positive_float("1e-3") == 1e-3
     assert argtypes.fraction("x", zero=True)("0") == 0.0
 

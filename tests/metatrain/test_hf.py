@@ -127,7 +127,8 @@ def _broken(checkpoints, tmp_path, edit=None, drop=None):
      ["config.json: hidden_size=66 is not divisible by num_attention_heads=4, and head_dim=0"]),
     (lambda c: c.update(head_dim=15), None, ["config.json: the per-head size 15", "must be even for RoPE"]),
     (lambda c: c.update(num_hidden_layers=0), None, ["config.json: num_hidden_layers=0 must be > 0"]),
-    (lambda c: c.update(rms_norm_eps=-1.0), None, ["config.json: model.rope_base and model.norm_eps must be > 0"]),
+    (lambda c: c.update(rms_norm_eps=-1.0), None,
+     ["config.json: model.rope_base and model.norm_eps must be finite numbers > 0"]),
     (lambda c: c.update(intermediate_size=128), None, ["model.layers.0.mlp.up_proj.weight", "[160, 64]"]),
     (None, "model.layers.2.self_attn.k_proj.weight", ["model.layers.2.self_attn.k_proj.weight", "missing"]),
 ])

@@ -119,6 +119,14 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("meta_model.causal=false", "meta_model.causal=false needs meta_model.head=score"),
     ("meta_model.head=rater", "meta_model.head must be one of ('lm', 'score')"),
     ("model.causal=false", "model.causal=false needs model.head=score"),
+    # numbers past what JAX, numpy or Grain take: tracebacks from deep inside them, or an abort, before
+    ("seed=99999999999999999999", "seed: must be at most 2147483647 (a 32-bit integer), got 99999999999999999999"),
+    ("model.n_layers=2147483648", "model.n_layers: must be at most 2147483647 (a 32-bit integer)"),
+    ("data.inner_steps=99999999999999999999", "data.inner_steps: must be at most 2147483647"),
+    ("seed=-99999999999999999999", "seed: must be at least -2147483648 (a 32-bit integer)"),
+    ("data.seed=-1", "data.seed must be >= 0, got -1"),
+    ("model.norm_eps=inf", "model.rope_base and model.norm_eps must be finite numbers > 0, got 10000.0, inf"),
+    ("model.rope_base=inf", "model.rope_base and model.norm_eps must be finite numbers > 0, got inf"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
@@ -137,8 +145,16 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     (["generate", "run", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
     (["generate", "run", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["generate", "run", "--prompt", "hi", "--top-p", "nan"], "argument --top-p: must be in (0, 1], got nan"),
+    # and above: seeds and sizes past a 32-bit integer were tracebacks from JAX, numpy or Grain
+    (["generate", "run", "--prompt", "hi", "--seed", "99999999999999999999"],
+     "argument --seed: must be at most 2147483647 (a 32-bit integer), got 99999999999999999999"),
+    (["check-grads", "--inner-steps", "2147483648"], "argument --inner-steps: must be at most 2147483647"),
+    (["bench", "memory", "--seq-len", "99999999999999999999"], "argument --seq-len: must be at most 2147483647"),
+    (["bench", "memory", "--layers", "2,99999999999999999999"],
+     "argument --layers: must be whole numbers at most 2147483647 (a 32-bit integer)"),
+    (["compile", "--fsdp", "99999999999999999999"], "argument --fsdp: must be at most 2147483647"),
 ])
-def test_a_flag_below_its_range_is_refused(capsys, argv, message):
+def test_a_flag_out_of_its_range_is_refused(capsys, argv, message):
     """Each was taken: a heartbeat timeout of 0 s, -1 documents, -1 s of benchmark ("0 tokens/s")."""
     with pytest.raises(SystemExit):
         cli.main(argv)
