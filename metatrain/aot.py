@@ -91,12 +91,16 @@ def memory_here(device) -> int | None:
     return have
 
 
-def check_fits(memory: dict, devices, what: str = "the outer step") -> None:
+FIT_FIX = ("use smaller batches (data.batch), shorter sequences (data.seq_len) or a smaller model, or compare settings "
+           "that need less with `metatrain bench memory`")
+
+
+def check_fits(memory: dict, devices, what: str = "the outer step", fix: str = FIT_FIX) -> None:
     """Refuses (one TrainingError line) a compiled program whose peak (`compiled_memory`) passes the memory of the
     devices it runs on here (`memory_here`). On an accelerator each device's peak is held against its limit. On CPU
     the devices of this process share the host's available memory, which the program's arguments (the state, already
     allocated) have taken their share of: what each device's peak holds beyond its arguments, times the devices, is
-    held against it. Unknown memory passes."""
+    held against it. Unknown memory passes. `fix`: what the error tells the user to change."""
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
     if not local:
         return
@@ -108,12 +112,11 @@ def check_fits(memory: dict, devices, what: str = "the outer step") -> None:
         return
     if shared:
         per = f" per device x {len(local)} CPU devices" if len(local) > 1 else ""
-        said = (f"needs {_gib(need)} beyond its arguments (the state, in memory already) at its peak "
+        said = (f"needs {_gib(need)} beyond its arguments (in memory already) at its peak "
                 f"({_gib(peak)}{per}), more than the {_gib(have)} available on this machine")
     else:
         said = f"needs {_gib(need)} at its peak, more than the {_gib(have)} of the {device.device_kind} JAX may use"
-    raise TrainingError(f"{what} {said}; use smaller batches (data.batch), shorter sequences (data.seq_len) or a "
-                        f"smaller model, or compare settings that need less with `metatrain bench memory`")
+    raise TrainingError(f"{what} {said}; {fix}")
 
 
 def _gib(n: float) -> str:

@@ -104,14 +104,13 @@ def _score_pass(run, kind, files, mine, fields, out_path, score_batch, max_rows,
     """Score the share's documents in order; append (file, offset, score, tokens) records to `out_path`, after the
     whole records an interrupted filter left there (those documents are not scored again). Returns (documents,
     tokens), those included, and how many documents were scored before."""
-    import jax
-
     from metatrain.data.pipeline import encoder
-    from metatrain.scores import score_stream
+    from metatrain.scores import compiled_scorer, score_stream
 
     encode = encoder(run.cfg.data, run.tokenizer())
-    fn = jax.jit(run.task.scores)
     meta = run.restored("meta")
+    fn = compiled_scorer(run.task.scores, meta, run.cfg.data.seq_len, score_batch, "lower --score-batch (rows per "
+                         "scoring call)")
     saved = _saved_scores(out_path)
     docs, tokens = len(saved), int(saved["tokens"].sum(dtype=np.int64))
     last = (int(saved["file"][-1]), int(saved["offset"][-1])) if docs else None

@@ -64,6 +64,19 @@ def _stack(rows: list[dict], seq_len: int, batch: int) -> dict:
     return b
 
 
+def compiled_scorer(fn, params, seq_len: int, batch: int, fix: str):
+    """`fn(params, batch) -> [batch]` compiled for batches of `batch` rows of seq_len+1 tokens and refused (one
+    TrainingError line ending in `fix`) where its peak passes the memory here, before any batch is built."""
+    from metatrain.aot import check_fits, compiled_memory
+
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, np.int32)
+    rows = {f: spec((batch, seq_len + 1)) for f in FIELDS} | {"corrupted": spec((batch,))}
+    compiled = jax.jit(fn).lower(params, rows).compile()
+    devices = jax.tree.leaves(params)[0].sharding.device_set
+    check_fits(compiled_memory(compiled), list(devices), f"scoring {batch:,} rows at a time", fix)
+    return compiled
+
+
 def _batches(docs, ids, encode, seq_len: int, batch: int, max_rows: int
              ) -> Iterator[tuple[dict, np.ndarray, np.ndarray]]:
     """(batch of rows [batch, seq+1], each row's document position in `ids` (-1: padding), its target count)."""

@@ -394,6 +394,11 @@ def probes(f: dict) -> list[Probe]:
                                                  "0.5", "--score-batch", "99999999999999999999"]),
                        ("bench memory --seq-len", ["bench", "memory", "--seq-len", "99999999999999999999"])):
         out.append(Probe(f"{name} past a 32-bit integer", argv, "must be at most 2147483647 (a 32-bit integer)"))
+    out.append(Probe("filter --score-batch past the memory here", ["filter", run, "--data", "jsonl:x.jsonl", "--out",
+                                                                     "o", "--drop", "0.5", "--score-batch",
+                                                                     "2147483647"],
+                     "lower --score-batch", setup=lambda d: jsonl(d / "x.jsonl", [{"text": "a b c"}] * 4),
+                     absent=("o",)))
     out.append(Probe("generate --top-k above the vocabulary", gen("--prompt", "def", "--max-new-tokens", "3",
                                                                   "--top-k", "1000000", "--temperature", "1"), None))
     out.append(Probe("generate stopped by Ctrl-C", gen("--prompt", "def", "--max-new-tokens", "200000"), None,

@@ -132,7 +132,7 @@ def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
     devices = [types.SimpleNamespace(platform="cpu", process_index=jax.process_index(), device_kind="cpu")] * 4
     monkeypatch.setattr(aot, "memory_here", lambda device: 4 * 2**30)
     aot.check_fits({"peak_bytes": 3 * 2**30, "argument_bytes": 2 * 2**30}, devices)  # 4 x 1 GiB: what is here
-    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB beyond its arguments \(the state, in memory already\) at "
+    with pytest.raises(TrainingError, match=r"needs 4\.0 GiB beyond its arguments \(in memory already\) at "
                                             r"its peak \(3\.0 GiB per device x 4 CPU devices\), more than the 4\.0 GiB "
                                             r"available on this machine; use smaller batches"):
         aot.check_fits({"peak_bytes": 3 * 2**30 + 1, "argument_bytes": 2 * 2**30}, devices)

@@ -187,7 +187,10 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_run, tmp_path, capsys):
              ([run, "--data", f"jsonl:{empty}", "--out", str(out), "--drop", "0.3"], "no documents"),
              ([run, "--data", f"jsonl:{path}", "--out", str(exists), "--drop", "0.3"],
               "already exists and is not empty; give a new directory"),
-             ([run, "--data", "builtin", "--out", str(out), "--drop", "0.3"], "give jsonl:PATH_OR_GLOB")]
+             ([run, "--data", "builtin", "--out", str(out), "--drop", "0.3"], "give jsonl:PATH_OR_GLOB"),
+             # a scoring batch past the memory here: its host buffers got the process killed (out of memory) before
+             ([run, "--data", f"jsonl:{path}", "--out", str(out), "--drop", "0.3", "--score-batch", "2147483647"],
+              "scoring 2,147,483,647 rows at a time needs")]
     for args, message in cases:
         assert cli.main(["filter", *args]) == 2
         err = capsys.readouterr().err.strip()
