@@ -19,6 +19,7 @@ import re
 
 import jax
 
+from metatrain import hostmem
 from metatrain.errors import ConfigError, TrainingError
 
 GiB = 2**30
@@ -57,9 +58,6 @@ def compiled_memory(compiled) -> dict:
     return sizes | {"peak_bytes": peak, "temp_sum_bytes": total, "flops": None if flops is None else float(flops)}
 
 
-MEMINFO, CGROUP = "/proc/meminfo", "/sys/fs/cgroup"  # the host's memory; this process's cgroup (v2)
-
-
 def memory_here(device) -> int | None:
     """The bytes a program may use on `device`: an accelerator's limit (JAX's allocator's `bytes_limit`), or on a CPU
     the host's available memory (`MemAvailable`, within this process's cgroup limit where one is set); None where
@@ -67,28 +65,7 @@ def memory_here(device) -> int | None:
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         return int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
-    have = None
-    try:
-        with open(MEMINFO) as f:
-            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        try:
-            have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            pass
-    try:  # a container's limit (cgroup v2): what is left of it, the page cache it could drop counted as free
-        with open(os.path.join(CGROUP, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open(os.path.join(CGROUP, "memory.current")) as f:
-                used = int(f.read().strip())
-            with open(os.path.join(CGROUP, "memory.stat")) as f:
-                used -= next((int(line.split()[1]) for line in f if line.startswith("inactive_file ")), 0)
-            left = max(int(limit) - used, 0)
-            have = left if have is None else min(have, left)
-    except (OSError, ValueError, IndexError):
-        pass
-    return have
+    return hostmem.available()
 
 
 FIT_FIX = ("use smaller batches (data.batch), shorter sequences (data.seq_len) or a smaller model, or compare settings "

@@ -89,7 +89,9 @@ def test_no_import_cycles_and_layers_import_downward():
     for m, deps in graph.items():
         if m.startswith(ENGINE_AND_RUN_STACK):
             assert not {d for d in deps if d.startswith(("metatrain.bench", "metatrain.cli"))}, m
-    assert graph["metatrain.aot"] <= {"metatrain.errors", "metatrain"}  # JAX alone (and the error types)
+    # JAX alone (and the error types, and the host memory reader, standard library only)
+    assert graph["metatrain.aot"] <= {"metatrain.errors", "metatrain.hostmem", "metatrain"}
+    assert graph["metatrain.hostmem"] <= {"metatrain"}
 
 
 # What the forked children below import alone: a fresh interpreter first imports the third-party libraries (the

@@ -10,7 +10,7 @@ import jax
 import pytest
 from helpers import cuda_plugin_path, env
 
-from metatrain import aot, cli, models
+from metatrain import aot, cli, hostmem, models
 from metatrain.errors import ConfigError, TrainingError
 
 
@@ -151,8 +151,8 @@ def test_memory_here_on_cpu_is_what_the_host_and_its_container_leave(tmp_path, m
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
     (cgroup / "memory.max").write_text("max\n")
-    monkeypatch.setattr(aot, "MEMINFO", str(tmp_path / "meminfo"))
-    monkeypatch.setattr(aot, "CGROUP", str(cgroup))
+    monkeypatch.setattr(hostmem, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(hostmem, "CGROUP", str(cgroup))
     cpu = jax.devices("cpu")[0]
     assert aot.memory_here(cpu) == 10 * GiB
     (cgroup / "memory.max").write_text(f"{8 * GiB}\n")
