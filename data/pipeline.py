@@ -26,6 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from metatrain import hostmem
 from metatrain.data.formats import FORMATS, TRAIN_ON, Encoder, Fields
 from metatrain.data.shuffle import EpochShuffleMapDataset
 from metatrain.data.sources import Tfds, missing_path, open_source
@@ -254,6 +255,24 @@ def _check_fills_a_batch(name: str, docs, ids, encode: Encoder, cfg: DataConfig,
               f"{' / data.shuffle_window' if window else ''}", file=sys.stderr)
 
 
+# a shuffle window's bytes per token of its packed rows, at least: their six int32 features (about 50 measured, with
+# numpy's and grain's overheads)
+WINDOW_BYTES_PER_TOKEN = 24
+
+
+def _check_windows_fit(cfg: DataConfig, streams: int) -> None:
+    """Each stream fills its shuffle window (`data.shuffle_window` packed rows, held in memory) before its first
+    batch: refused (one line) where the least those of `streams` streams hold passes the memory available here, which
+    was a long wait for the first batch, then the process killed for memory."""
+    need = streams * cfg.shuffle_window * (cfg.seq_len + 1) * WINDOW_BYTES_PER_TOKEN if cfg.shuffle_window > 1 else 0
+    have = hostmem.available()
+    if have is not None and need > have:
+        raise ConfigError(f"data.shuffle_window: {streams} shuffle windows of {cfg.shuffle_window:,} rows of "
+                          f"{cfg.seq_len + 1:,} tokens (the inner, outer and validation streams of each data shard) "
+                          f"hold at least {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB available on "
+                          f"this machine; lower data.shuffle_window")
+
+
 def _concat(batches: list[dict], axis: int) -> dict:
     if len(batches) == 1:
         return batches[0]
@@ -274,6 +293,7 @@ class Streams:
         if cfg.batch % n_shards:
             raise ConfigError(f"data.batch={cfg.batch} is not divisible by the {n_shards} data shards (one per "
                              f"process unless data.shards is set); use a multiple of {n_shards}")
+        _check_windows_fit(cfg, streams=3 * (n_shards // process_count))  # inner, outer, validation per shard
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
         self.docs = docs = document_source(cfg)

@@ -139,6 +139,8 @@ def probes(f: dict) -> list[Probe]:
                      "warmup_steps"))
     out.append(Probe("an outer step past the memory here", train("data.seq_len=100000"), "at its peak",
                      absent=("w",)))
+    out.append(Probe("shuffle windows past the memory here", train("data.shuffle_window=100000000"),
+                     "lower data.shuffle_window", absent=("w",)))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

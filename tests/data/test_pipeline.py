@@ -106,6 +106,21 @@ def test_batch_not_divisible_by_processes():
         Streams(DataConfig(batch=12, shards=3), 0, 2)
 
 
+def test_shuffle_windows_past_the_memory_here_are_refused_before_reading(monkeypatch):
+    """Each stream fills its window of packed rows before its first batch: data.shuffle_window=10^9 read the corpus
+    over and over for minutes, then the process was killed for memory. The least the windows hold (24 bytes a token)
+    is held against the memory here; a window that fits is not refused."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"data.shuffle_window: 6 shuffle windows of 1,000,000 rows of 1,025 tokens "
+                                         r"\(the inner, outer and validation streams of each data shard\) hold at "
+                                         r"least 137.5 GiB, more than the 8.0 GiB available on this machine; lower "
+                                         r"data.shuffle_window"):
+        Streams(DataConfig(seq_len=1024, batch=8, shards=2, shuffle_window=10**6), 0, 1)
+    Streams(DataConfig(seq_len=1024, batch=8, shards=2, shuffle_window=54_000), 0, 1)  # 7.4 GiB: it may fit
+
+
 def test_fixed_shards_give_the_same_global_batches_on_any_process_count():
     """With data.shards=2, one process's batches are the two processes' batches side by side."""
     cfg = DataConfig(vocab_size=300, seq_len=16, batch=8, inner_steps=2, shards=2, corrupt_fraction=0.3,
