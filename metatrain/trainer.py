@@ -83,6 +83,7 @@ class Trainer:
         self.streams = Streams(cfg.data)
         self.cfg = data_derived(cfg, self.streams)
         self._features = device_features(self.cfg.data)
+        self._check_evaluation_fits()
         self.program = self._program()
         self.task = self.program.task
         self.state = step_lib.init(self.program, jax.random.key(cfg.seed))
@@ -124,6 +125,23 @@ class Trainer:
         self.log = None
         self._stop_signal = None
         self.continue_hint = "run again with --resume to continue"  # after a stop by signal; callers may say theirs
+
+    def _check_evaluation_fits(self) -> None:
+        """The evaluation set (`eval_batches` batches of the validation stream, this process's share of them) is kept
+        in memory for every evaluation: refused in one line where it alone passes the memory here, before anything is
+        compiled. It was read at the first evaluation, after the training before it, until the process was killed for
+        memory."""
+        d, n = self.cfg.data, self.cfg.eval_batches
+        local = [x for x in self.mesh.devices.flat if x.process_index == jax.process_index()]
+        row = 4 * ((d.seq_len + 1) * (len(self._features) - 1) + 1)  # int32 tokens, ... and the `corrupted` flag
+        need = n * d.batch * row * len(local) // self.mesh.devices.size
+        cpu = local[0].platform == "cpu"  # a process's CPU devices share the host's memory
+        have = aot.memory_here(local[0]) if cpu else sum(aot.memory_here(x) or 0 for x in local)
+        if have and need > have:
+            raise ConfigError(f"eval_batches: {n:,} batches of {d.batch:,} rows of {d.seq_len + 1:,} tokens, kept in "
+                              f"memory for every evaluation, take {need / 2**30:,.1f} GiB, more than the "
+                              f"{have / 2**30:,.1f} GiB {'available on this machine' if cpu else 'of its devices'}; "
+                              f"lower eval_batches")
 
     # ---- the program ---------------------------------------------------------------------------
     def _program(self) -> step_lib.Program:

@@ -141,6 +141,8 @@ def probes(f: dict) -> list[Probe]:
                      absent=("w",)))
     out.append(Probe("shuffle windows past the memory here", train("data.shuffle_window=100000000"),
                      "lower data.shuffle_window", absent=("w",)))
+    out.append(Probe("an evaluation set past the memory here", train("eval_batches=1000000000"),
+                     "lower eval_batches"))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

@@ -135,6 +135,20 @@ def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys,
     assert not (tmp_path / "run").exists()  # refused before the run started
 
 
+def test_an_evaluation_set_past_the_memory_here_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
+    """eval_batches=10^6 was read at the first evaluation, after the training before it, until the process was killed
+    for memory. The set's bytes (int32 rows of tokens, segment ids and positions, and a flag per row: 1.5 GiB) are held
+    against the memory here."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 2**30)
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", "eval_batches=1000000"], capsys)
+    assert code == 2
+    one_line_error(err, "eval_batches: 1,000,000 batches of 8 rows of 17 tokens, kept in memory for every evaluation, "
+                        "take 1.5 GiB, more than the 1.0 GiB available on this machine; lower eval_batches")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--heartbeat-timeout", "0"], "argument --heartbeat-timeout: must be >= 1, got 0"),
     (["train", "--num-processes", "-2"], "argument --num-processes: must be >= 1, got -2"),
