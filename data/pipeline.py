@@ -269,8 +269,8 @@ def _check_windows_fit(cfg: DataConfig, streams: int) -> None:
     if have is not None and need > have:
         raise ConfigError(f"data.shuffle_window: {streams} shuffle windows of {cfg.shuffle_window:,} rows of "
                           f"{cfg.seq_len + 1:,} tokens (the inner, outer and validation streams of each data shard) "
-                          f"hold at least {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB available on "
-                          f"this machine; lower data.shuffle_window")
+                          f"hold at least {hostmem.size(need)}, more than the {hostmem.size(have)} available on this "
+                          f"machine; lower data.shuffle_window")
 
 
 def _concat(batches: list[dict], axis: int) -> dict:

@@ -89,15 +89,12 @@ def check_fits(memory: dict, devices, what: str = "the outer step", fix: str = F
         return
     if shared:
         per = f" per device x {len(local)} CPU devices" if len(local) > 1 else ""
-        said = (f"needs {_gib(need)} beyond its arguments (in memory already) at its peak "
-                f"({_gib(peak)}{per}), more than the {_gib(have)} available on this machine")
+        said = (f"needs {hostmem.size(need)} beyond its arguments (in memory already) at its peak "
+                f"({hostmem.size(peak)}{per}), more than the {hostmem.size(have)} available on this machine")
     else:
-        said = f"needs {_gib(need)} at its peak, more than the {_gib(have)} of the {device.device_kind} JAX may use"
+        said = (f"needs {hostmem.size(need)} at its peak, more than the {hostmem.size(have)} of the "
+                f"{device.device_kind} JAX may use")
     raise TrainingError(f"{what} {said}; {fix}")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def platform(compiled) -> str:

@@ -35,3 +35,8 @@ def available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return have
+
+
+def size(n: float) -> str:
+    """A byte count for a message: in GiB, or in MiB below 1 GiB."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

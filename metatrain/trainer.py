@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import aot, auto, distributed, paths, population, progress
+from metatrain import aot, auto, distributed, hostmem, paths, population, progress
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -139,8 +139,8 @@ class Trainer:
         have = aot.memory_here(local[0]) if cpu else sum(aot.memory_here(x) or 0 for x in local)
         if have and need > have:
             raise ConfigError(f"eval_batches: {n:,} batches of {d.batch:,} rows of {d.seq_len + 1:,} tokens, kept in "
-                              f"memory for every evaluation, take {need / 2**30:,.1f} GiB, more than the "
-                              f"{have / 2**30:,.1f} GiB {'available on this machine' if cpu else 'of its devices'}; "
+                              f"memory for every evaluation, take {hostmem.size(need)}, more than the "
+                              f"{hostmem.size(have)} {'available on this machine' if cpu else 'of its devices'}; "
                               f"lower eval_batches")
 
     # ---- the program ---------------------------------------------------------------------------
