@@ -133,8 +133,8 @@ class Trainer:
         memory."""
         d, n = self.cfg.data, self.cfg.eval_batches
         local = [x for x in self.mesh.devices.flat if x.process_index == jax.process_index()]
-        row = 4 * ((d.seq_len + 1) * (len(self._features) - 1) + 1)  # int32 tokens, ... and the `corrupted` flag
-        need = n * d.batch * row * len(local) // self.mesh.devices.size
+        batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(step_lib.batch_specs(d)[1]))  # an outer batch
+        need = n * batch * len(local) // self.mesh.devices.size
         cpu = local[0].platform == "cpu"  # a process's CPU devices share the host's memory
         have = aot.memory_here(local[0]) if cpu else sum(aot.memory_here(x) or 0 for x in local)
         if have and need > have:
