@@ -97,6 +97,47 @@ def check_fits(memory: dict, devices, what: str = "the outer step", fix: str = F
     raise TrainingError(f"{what} {said}; {fix}")
 
 
+def state_bytes(shapes, shardings) -> tuple[int, int]:
+    """What one device holds of a state with these shapes (`ShapeDtypeStruct`s) and shardings: its bytes in the
+    device's memory and in host memory (leaves placed in `pinned_host`), its shard of each leaf (a copy where the
+    leaf is replicated)."""
+    held = [0, 0]
+
+    def add(shape, sharding):
+        n = shape.dtype.itemsize
+        for extent in sharding.shard_shape(shape.shape):
+            n *= extent
+        held[getattr(sharding, "memory_kind", None) == "pinned_host"] += n
+
+    jax.tree.map(add, shapes, shardings)
+    return held[0], held[1]
+
+
+def check_state_fits(shapes, shardings, devices, what: str, fix: str) -> None:
+    """Refuses (one ConfigError line) a state that passes the memory here before it is allocated: on CPU what this
+    process's devices hold of it together against the host's available memory; on an accelerator a device's share
+    against its limit, and the host-placed leaves of this process's devices against the host's memory. It was
+    allocated, then the process was killed for memory (or the accelerator's allocator failed deep inside JAX).
+    Unknown memory passes. `what`: the state, as the error names it; `fix`: what it tells the user to change."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    if not local:
+        return
+    device, (on_device, on_host) = local[0], state_bytes(shapes, shardings)
+    here = "available on this machine"
+    if device.platform == "cpu":  # a process's CPU devices share the host's memory
+        need = (on_device + on_host) * len(local)
+        per = f" ({hostmem.size(need // len(local))} per device x {len(local)} CPU devices)" if len(local) > 1 else ""
+        checks = [(need, per, hostmem.available(), here)]
+    else:
+        checks = [(on_device, " per device", memory_here(device), f"of the {device.device_kind} JAX may use")]
+        if on_host:
+            checks.append((on_host * len(local), " in host memory", hostmem.available(), here))
+    for need, said, have, where in checks:
+        if have is not None and need > have:
+            raise ConfigError(f"{what} takes {hostmem.size(need)}{said}, more than the {hostmem.size(have)} {where}; "
+                              f"{fix}")
+
+
 def platform(compiled) -> str:
     """The platform a compiled program is for ("tpu" for an ahead-of-time TPU topology too)."""
     for sharding in jax.tree.leaves(compiled.input_shardings):

@@ -86,6 +86,7 @@ class Trainer:
         self._check_evaluation_fits()
         self.program = self._program()
         self.task = self.program.task
+        self._check_state_fits()
         self.state = step_lib.init(self.program, jax.random.key(cfg.seed))
         if cfg.inner.init_from:  # before the long compile: a checkpoint that does not fit is refused at once
             self.state = self._load_pretrained(cfg.inner.init_from)
@@ -142,6 +143,25 @@ class Trainer:
                               f"memory for every evaluation, take {hostmem.size(need)}, more than the "
                               f"{hostmem.size(have)} {'available on this machine' if cpu else 'of its devices'}; "
                               f"lower eval_batches")
+
+    def _check_state_fits(self) -> None:
+        """The run's state (its models' parameters and optimizer states), from its shapes: refused in one line where
+        it passes the memory here, before it is allocated (a model of 100,000 layers was allocated, then the process
+        killed for memory)."""
+        program, inner = self.program, self.cfg.inner
+        fix = ["a smaller pretrained model (inner.init_from)" if inner.init_from
+               else "a smaller model (model.n_layers, model.d_model, model.d_ff)"]
+        if inner.init_from and not inner.lora.rank:
+            fix.append("LoRA adapters in place of training the whole model (inner.lora.rank)")
+        if program.members > 1:
+            fix.append("fewer population members (population.size)")
+        if "base" in program.state_shapes:  # the uniform baseline's model
+            fix.append("no baseline (baseline=none)")
+        if self.mesh.shape["data"] > 1:  # each data shard holds a copy
+            fix.append("FSDP over all the devices (mesh.fsdp=-1)")
+        aot.check_state_fits(program.state_shapes, program.state_shardings, self.mesh.devices.flat,
+                             "the run's state (its models' parameters and optimizer states)",
+                             "use " + ", ".join(fix[:-1]) + (" or " if len(fix) > 1 else "") + fix[-1])
 
     # ---- the program ---------------------------------------------------------------------------
     def _program(self) -> step_lib.Program:

@@ -143,6 +143,11 @@ def probes(f: dict) -> list[Probe]:
                      "lower data.shuffle_window", absent=("w",)))
     out.append(Probe("an evaluation set past the memory here", train("eval_batches=1000000000"),
                      "lower eval_batches"))
+    out.append(Probe("a state past the memory here", train("model.n_layers=10000000"), "the run's state",
+                     absent=("w",), limit=60))
+    out.append(Probe("a pretraining state past the memory here", ["pretrain", *TINY, "model.n_layers=10000000",
+                                                                  "workdir={d}/w"], "the run's state", absent=("w",),
+                     limit=60))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 from helpers import cuda_plugin_path, env
 
@@ -142,6 +143,48 @@ def test_memory_here_and_the_fit_check_on_cpu_devices(monkeypatch):
         aot.check_fits({"peak_bytes": 4 * 2**30 + 1, "argument_bytes": 2**30}, gpu)
     monkeypatch.setattr(aot, "memory_here", lambda device: None)  # unknown: passes
     aot.check_fits({"peak_bytes": 2**60, "argument_bytes": 0}, devices)
+
+
+def test_a_state_is_held_against_the_memory_here_before_it_is_allocated(monkeypatch):
+    """What one device holds of each leaf (its shard, or a copy where replicated; host-placed leaves apart), counted
+    by hand: on CPU all of a process's devices against the host's memory; on a GPU one device's share against its
+    limit, and the host-placed leaves of all of them against the host's."""
+    import types
+
+    def sharding(split: int, kind: str = "device"):  # the leading axis over `split` devices
+        return types.SimpleNamespace(shard_shape=lambda shape: (shape[0] // split, *shape[1:]), memory_kind=kind)
+
+    M, MiB = 2**20, 2**20
+    shapes = {"w": jax.ShapeDtypeStruct((8 * M, 4), jnp.float32), "b": jax.ShapeDtypeStruct((6 * M,), jnp.bfloat16),
+              "m": jax.ShapeDtypeStruct((4 * M, 4), jnp.float32)}
+    shardings = {"w": sharding(2), "b": sharding(1), "m": sharding(4, "pinned_host")}
+    assert aot.state_bytes(shapes, shardings) == (64 * MiB + 12 * MiB, 16 * MiB)  # half of w, all of b; a 4th of m
+
+    def check(devices):
+        aot.check_state_fits(shapes, shardings, devices, "the state", "shrink it")
+
+    cpu = [types.SimpleNamespace(platform="cpu", process_index=jax.process_index(), device_kind="cpu")] * 4
+    monkeypatch.setattr(hostmem, "available", lambda: 4 * 92 * MiB)
+    check(cpu)  # 4 x (76 + 16) MiB: what is here
+    monkeypatch.setattr(hostmem, "available", lambda: 4 * 92 * MiB - 1)
+    with pytest.raises(ConfigError, match=r"^the state takes 368\.0 MiB \(92\.0 MiB per device x 4 CPU devices\), "
+                                          r"more than the 368\.0 MiB available on this machine; shrink it$"):
+        check(cpu)
+    gpu = [types.SimpleNamespace(platform="gpu", process_index=jax.process_index(), device_kind="NVIDIA H200")] * 4
+    monkeypatch.setattr(aot, "memory_here", lambda device: 76 * MiB)
+    monkeypatch.setattr(hostmem, "available", lambda: 64 * MiB)
+    check(gpu)  # each GPU holds 76 MiB; the host the four host-placed shards
+    monkeypatch.setattr(aot, "memory_here", lambda device: 76 * MiB - 1)
+    with pytest.raises(ConfigError, match=r"^the state takes 76\.0 MiB per device, more than the 76\.0 MiB of the "
+                                          r"NVIDIA H200 JAX may use; shrink it$"):
+        check(gpu)
+    monkeypatch.setattr(aot, "memory_here", lambda device: None)  # unknown: passes
+    monkeypatch.setattr(hostmem, "available", lambda: 64 * MiB - 1)
+    with pytest.raises(ConfigError, match=r"^the state takes 64\.0 MiB in host memory, more than the 64\.0 MiB "
+                                          r"available on this machine; shrink it$"):
+        check(gpu)
+    monkeypatch.setattr(hostmem, "available", lambda: None)
+    check(gpu)
 
 
 def test_memory_here_on_cpu_is_what_the_host_and_its_container_leave(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ import pytest
 from helpers import TINY, checkpoints, env, metatrain, one_line_error, saved_state, train
 
 from metatrain import checkpoints as checkpoints_lib
-from metatrain import cli, step
+from metatrain import cli, config, models, step
 from metatrain.workdir import Lock
 
 
@@ -147,6 +147,26 @@ def test_an_evaluation_set_past_the_memory_here_is_refused_before_compiling(tmp_
     one_line_error(err, "eval_batches: 1,000,000 batches of 8 rows of 17 tokens, kept in memory for every evaluation, "
                         "take 1.5 GiB, more than the 1.0 GiB available on this machine; lower eval_batches")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_state_past_the_memory_here_is_refused_before_it_is_allocated(tmp_path, capsys, monkeypatch):
+    """model.n_layers=100000 was allocated (367 GiB on the main job's two CPU devices), then the process was killed
+    for memory after 50 s. The state's bytes, from its shapes, are held against the memory here before anything is
+    allocated or compiled; the error names what would shrink it."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 2**30)
+    code, _, err = _train([f"workdir={tmp_path / 'run'}", "model.n_layers=100000", "baseline=uniform"], capsys)
+    assert code == 2
+    one_line_error(err, "the run's state (its models' parameters and optimizer states) takes ",
+                   "more than the 1.0 GiB available on this machine; use a smaller model (model.n_layers, "
+                   "model.d_model, model.d_ff) or no baseline (baseline=none)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # its size: ten float32 copies of the model's parameters (η, the meta-optimizer's two moments, θ and the inner
+    # Adam's two moments, the baseline's θ, moments and uniform η), counted from the model config, to the 0.1 GiB said
+    model = config.load(None, [*TINY, "model.n_layers=100000", "workdir=x"]).model
+    gib = float(err.split(" takes ")[1].split(" GiB")[0].replace(",", ""))
+    assert abs(gib - 10 * 4 * models.param_count(model) / 2**30) <= 0.05, gib
 
 
 @pytest.mark.parametrize("argv, message", [
