@@ -148,6 +148,9 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("a pretraining state past the memory here", ["pretrain", *TINY, "model.n_layers=10000000",
                                                                   "workdir={d}/w"], "the run's state", absent=("w",),
                      limit=60))
+    out.append(Probe("bench time on a model past the memory here",
+                     ["bench", "time", "--model", "16b", "--seq-len", "16", "--batch", "2", "--inner-steps", "1",
+                      "--rounds", "1"], "autodiff+remat's state takes", limit=60))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

@@ -17,6 +17,7 @@ more calls of each variant run under the JAX profiler and the row gets their top
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -30,25 +31,48 @@ from metatrain.aot import compiled_memory
 from metatrain.bench.compile import program_for, where
 from metatrain.bench.variants import Variant
 from metatrain.config import Config
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, TrainingError
 from metatrain.step import random_batches
+
+SMALLER = "use a smaller model (--model, --n-layers)"
+FIX = (f"time fewer variants at once (--variants), or {SMALLER}, smaller batches (--batch) or shorter sequences "
+       "(--seq-len)")
 
 
 class _Runner:
     """One outer step per call, on the state the previous call left (the state is donated, as in training)."""
 
-    def __init__(self, cfg: Config, variant: Variant, seed: int):
+    def __init__(self, cfg: Config, variant: Variant, seed: int, first: bool = True):
         program, _ = program_for(variant.apply(cfg))
+        self.name, devices = variant.name, program.mesh.devices.flat
+        # the variants set up before this one keep their states: on CPU the memory here is what they leave
+        aot.check_state_fits(program.state_shapes, program.state_shardings, devices, f"{variant.name}'s state",
+                             SMALLER if first else f"time fewer variants at once (--variants), or {SMALLER}")
         self.compiled = aot.compile(step_lib.lower(program))
+        aot.check_fits(compiled_memory(self.compiled), devices, f"{variant.name}'s outer step", FIX)
         k_state, k_data = jax.random.split(jax.random.key(seed))
-        self.state = step_lib.init(program, k_state)
-        specs = step_lib.batch_specs(program.data, program.mesh)
-        self.batches = [jax.device_put(b, jax.tree.map(lambda s: s.sharding, spec))
-                        for b, spec in zip(random_batches(program.data, cfg.model.vocab_size, k_data), specs)]
+        with self._out_of_memory():
+            self.state = step_lib.init(program, k_state)
+            specs = step_lib.batch_specs(program.data, program.mesh)
+            self.batches = [jax.device_put(b, jax.tree.map(lambda s: s.sharding, spec))
+                            for b, spec in zip(random_batches(program.data, cfg.model.vocab_size, k_data), specs)]
 
     def __call__(self) -> None:
-        self.state, metrics = self.compiled(self.state, *self.batches)
-        jax.block_until_ready(metrics)
+        with self._out_of_memory():
+            self.state, metrics = self.compiled(self.state, *self.batches)
+            jax.block_until_ready(metrics)
+
+    @contextlib.contextmanager
+    def _out_of_memory(self):
+        """An allocation the device refuses (beside the other variants' states and buffers, or past what the checks
+        before it could know): one TrainingError line naming the variant, not a JaxRuntimeError from deep inside."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as e:
+            said = str(e)
+            if "RESOURCE_EXHAUSTED" not in said and "Out of memory" not in said:
+                raise
+            raise TrainingError(f"{self.name} ran out of memory ({said.splitlines()[0].strip()}); {FIX}") from None
 
 
 def device_peak_bytes() -> int | None:
@@ -68,7 +92,7 @@ def measure(cfg: Config, variant_list: list[Variant], baseline: str, rounds: int
     calls, compile_s, before_steps = {}, {}, {}
     for v in progress(variant_list, desc="compiling and warming up"):
         tic = time.perf_counter()
-        calls[v.name] = _Runner(cfg, v, seed)
+        calls[v.name] = _Runner(cfg, v, seed, first=not calls)
         before_steps[v.name] = device_peak_bytes()  # initialising the state and compiling, before any step
         for _ in range(warmup):
             calls[v.name]()

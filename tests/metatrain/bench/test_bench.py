@@ -4,12 +4,13 @@ stand-in compiler); variant names."""
 import json
 
 import pytest
+from helpers import cli_run, one_line_error
 
 from metatrain import aot, cli, models
 from metatrain.bench import largest_fit
 from metatrain.bench.variants import parse_variant
 from metatrain.cli import common
-from metatrain.errors import ConfigError
+from metatrain.errors import ConfigError, TrainingError
 
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch", "2"]
 
@@ -64,7 +65,7 @@ def test_one_variant_per_process_gives_the_peak_before_its_first_step(monkeypatc
     from metatrain.bench.variants import run_config
 
     class Runner:  # the compiled step, stood in: each call is one outer step
-        def __init__(self, cfg, variant, seed):
+        def __init__(self, cfg, variant, seed, first=True):
             self.state, self.compiled = {"step": 0}, None
 
         def __call__(self):
@@ -103,6 +104,33 @@ def _fake_compile(limits, seen=None):
         report = {"fits": peak <= hbm, "exact": True, "hbm_bytes": hbm, "peak_bytes": peak}
         return report | ({"refused_bytes": peak * 1.1, "message": "RESOURCE_EXHAUSTED"} if peak > hbm else {})
     return compile_report
+
+
+def test_bench_time_past_the_memory_is_one_line_naming_the_variant(monkeypatch, capsys):
+    """`bench time --model 6.8b` on a CPU ended in a JaxRuntimeError traceback from the state's allocation ("Out of
+    memory allocating 45214600068 bytes"). Each variant's state is held against the memory here before it is
+    allocated (on CPU: what the variants before it left), and an allocation the device refuses all the same is one
+    line naming the variant."""
+    import jax
+
+    from metatrain import hostmem
+    from metatrain.bench import steptime
+
+    monkeypatch.setattr(hostmem, "available", lambda: 2**14)  # the tiny preset's state: 62,408 bytes
+    code, _, err = cli_run(capsys, "bench", "time", *TINY_FLAGS, "--variants", "autodiff,mixflow",
+                           "--baseline", "autodiff")
+    assert code == 2
+    one_line_error(err, "metatrain bench time: error: autodiff's state takes ", "available on this machine; use a "
+                   "smaller model (--model, --n-layers)")
+    runner = steptime._Runner.__new__(steptime._Runner)
+    runner.name = "mixflow+remat+save"
+    with pytest.raises(TrainingError, match=r"^mixflow\+remat\+save ran out of memory \(RESOURCE_EXHAUSTED: Out of "
+                                            r"memory while trying to allocate 130\.22GiB\.\); time fewer variants"):
+        with runner._out_of_memory():
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 130.22GiB.\n"
+                                             "more lines")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"), runner._out_of_memory():
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")  # not memory: as it was
 
 
 def test_bench_fit_binary_search(monkeypatch, capsys):
