@@ -138,6 +138,21 @@ def check_state_fits(shapes, shardings, devices, what: str, fix: str) -> None:
                               f"{fix}")
 
 
+@contextlib.contextmanager
+def out_of_memory(what: str, fix: str):
+    """An allocation the device refuses inside the block (RESOURCE_EXHAUSTED, or XLA:CPU's "Out of memory"): one
+    TrainingError line, `what` ran out of memory (the first line of XLA's message); `fix`, not a JaxRuntimeError
+    from deep inside JAX. Other errors pass as they are."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        said = str(e)
+        if "RESOURCE_EXHAUSTED" not in said and "Out of memory" not in said:
+            raise
+        first = said.strip().splitlines()[0].strip().rsplit("Error dispatching computation: ", 1)[-1].rstrip(".")
+        raise TrainingError(f"{what} ran out of memory ({first}); {fix}") from None
+
+
 def platform(compiled) -> str:
     """The platform a compiled program is for ("tpu" for an ahead-of-time TPU topology too)."""
     for sharding in jax.tree.leaves(compiled.input_shardings):

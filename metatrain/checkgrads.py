@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from metatrain import population
+from metatrain import aot, hostmem, population
 from metatrain.bench.variants import Variant, build_task, variants
 from metatrain.config import PopulationConfig
 from metatrain.data.pipeline import DataConfig
@@ -56,6 +56,33 @@ def _float64(fn: Callable) -> Callable:
     return wrapped
 
 
+FIT_FIX = "it compares meta-gradients on small problems: use a smaller --model, --n-layers, --batch or --seq-len"
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _check_fits(task, data: DataConfig, vocab: int, members: int, directions: int) -> None:
+    """Refuses (one ConfigError line) a problem whose float64 arrays alone pass the memory here, from their shapes,
+    before anything is allocated: at least the meta-parameters `directions` + 2 times (η, its flat copy and the
+    finite differences' unit directions), the inner state of each member, the frozen base and the batches. A 6.8b
+    model or a batch of 10^8 rows was allocated, then the process was killed for memory."""
+    key = jax.random.key(0)
+    meta = jax.eval_shape(task.init_meta, key)
+    inner = jax.eval_shape(lambda k, m: task.init_inner(k, m), key, meta)
+    held = 0 if members > 1 and task.resets_inner else members  # inner states kept (one per member)
+    need = (_bytes(meta) * (directions + 2) + _bytes(inner) * held + _bytes(jax.eval_shape(task.init_frozen, key))
+            + _bytes(jax.eval_shape(lambda k: random_batches(data, vocab, k, members=members), key)))
+    device = jax.devices()[0]
+    have = aot.memory_here(device)
+    if have is not None and need > have:
+        where = "available on this machine" if device.platform == "cpu" else f"of the {device.device_kind} JAX may use"
+        raise ConfigError(f"the problem holds at least {hostmem.size(need)} in float64 (the meta-parameters "
+                          f"{directions + 2} times, the inner state, the batches), more than the {hostmem.size(have)} "
+                          f"{where}; {FIT_FIX}")
+
+
 @_float64
 def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: int = 0, directions: int = 3,
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
@@ -85,6 +112,7 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     k_meta, k_inner, k_noise, k_data, k_dir = jax.random.split(jax.random.key(seed), 5)
     build = functools.partial(build_task, task_name, inner_lr=inner_lr, lora=lora, meta_model=meta_model)
     ref_task = build(model, remat=False)
+    _check_fits(ref_task, data, model.vocab_size, members, directions)
     frozen = ref_task.init_frozen(k_inner)  # None without LoRA
     meta = ref_task.init_meta(k_meta)
     flat, unravel = ravel_pytree(meta)

@@ -17,7 +17,6 @@ more calls of each variant run under the JAX profiler and the row gets their top
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -31,7 +30,7 @@ from metatrain.aot import compiled_memory
 from metatrain.bench.compile import program_for, where
 from metatrain.bench.variants import Variant
 from metatrain.config import Config
-from metatrain.errors import ConfigError, TrainingError
+from metatrain.errors import ConfigError
 from metatrain.step import random_batches
 
 SMALLER = "use a smaller model (--model, --n-layers)"
@@ -62,17 +61,10 @@ class _Runner:
             self.state, metrics = self.compiled(self.state, *self.batches)
             jax.block_until_ready(metrics)
 
-    @contextlib.contextmanager
     def _out_of_memory(self):
         """An allocation the device refuses (beside the other variants' states and buffers, or past what the checks
-        before it could know): one TrainingError line naming the variant, not a JaxRuntimeError from deep inside."""
-        try:
-            yield
-        except jax.errors.JaxRuntimeError as e:
-            said = str(e)
-            if "RESOURCE_EXHAUSTED" not in said and "Out of memory" not in said:
-                raise
-            raise TrainingError(f"{self.name} ran out of memory ({said.splitlines()[0].strip()}); {FIX}") from None
+        before it could know): one TrainingError line naming the variant."""
+        return aot.out_of_memory(self.name, FIX)
 
 
 def device_peak_bytes() -> int | None:

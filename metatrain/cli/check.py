@@ -10,7 +10,7 @@ from metatrain.mixflow import MODES
 
 
 def cmd_check_grads(args) -> int:
-    from metatrain import checkgrads
+    from metatrain import aot, checkgrads
     from metatrain.config import NO_PRESET, check_syntax, load, meta_model_config
     from metatrain.errors import ConfigError
     from metatrain.tasks import task_class
@@ -29,12 +29,13 @@ def cmd_check_grads(args) -> int:
           f"V={model.vocab_size}) T={data.inner_steps} B={data.batch} S={data.seq_len}, float64"
           + (f", LoRA rank {lora.rank} on {lora.targets}" if lora else "")
           + (f", a population of {members} (each member on its own batches)" if members > 1 else ""))
-    results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
-                                     eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
-                                     modes=tuple(args.modes.split(",")), kept_states=args.kept_states,
-                                     only=common.variants(args, args.variants) if args.variants is not None else None,
-                                     progress=progress.over, lora=lora, meta_model=meta_model_config(cfg),
-                                     members=members, tol_members=args.tol_members)
+    only = common.variants(args, args.variants) if args.variants is not None else None
+    with aot.out_of_memory("the problem", checkgrads.FIT_FIX):  # past what the check before allocating counts
+        results = checkgrads.check_grads(args.task, model, data, seed=args.seed, directions=args.directions,
+                                         eps=args.eps, tol_rel=args.tol_rel, tol_fd=args.tol_fd,
+                                         modes=tuple(args.modes.split(",")), kept_states=args.kept_states, only=only,
+                                         progress=progress.over, lora=lora, meta_model=meta_model_config(cfg),
+                                         members=members, tol_members=args.tol_members)
     width = max(22, *(len(r.variant) for r in results))
     extra = f" {'vs members mean':>16}" if members > 1 else ""
     print(f"{'variant':<{width}} {'rel. err vs autodiff':>20} {'finite-diff err':>16}{extra}  ok")

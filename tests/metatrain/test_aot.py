@@ -187,6 +187,21 @@ def test_a_state_is_held_against_the_memory_here_before_it_is_allocated(monkeypa
     check(gpu)
 
 
+def test_an_allocation_the_device_refuses_is_one_line():
+    """XLA:CPU's form (check-grads at a batch of 10^6 rows: "INTERNAL: Error dispatching computation: ... Out of
+    memory allocating N bytes.", then a traceback) and a GPU's (RESOURCE_EXHAUSTED) are said in one line; other
+    runtime errors pass as they are."""
+    cpu = "INTERNAL: Error dispatching computation: Error dispatching computation: Out of memory allocating 155 bytes."
+    with pytest.raises(TrainingError, match=r"^the problem ran out of memory \(Out of memory allocating 155 bytes\); "
+                                            r"use less$"), aot.out_of_memory("the problem", "use less"):
+        raise jax.errors.JaxRuntimeError(cpu)
+    with pytest.raises(TrainingError, match=r"^x ran out of memory \(RESOURCE_EXHAUSTED: Out of memory while trying "
+                                            r"to allocate 130\.22GiB\); y$"), aot.out_of_memory("x", "y"):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 130.22GiB.\nmore")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"), aot.out_of_memory("x", "y"):
+        raise jax.errors.JaxRuntimeError("INTERNAL: other")
+
+
 def test_memory_here_on_cpu_is_what_the_host_and_its_container_leave(tmp_path, monkeypatch):
     """MemAvailable, within a cgroup v2 limit less what the cgroup uses beyond the page cache it could drop."""
     GiB = 2**30

@@ -89,6 +89,26 @@ def test_cli_bad_task_is_a_one_line_error(capsys):
     assert err.startswith("metatrain check-grads: error: unknown task 'nope'") and "\n" not in err
 
 
+def test_a_problem_past_the_memory_here_is_refused_before_it_is_allocated(capsys, monkeypatch):
+    """`--model 6.8b` or `--batch 100000000` was allocated, then the process was killed for memory. What check-grads
+    holds at least, from the shapes, is held against the memory here first: at a batch of 10^6 rows mostly the
+    batches, T + 1 = 3 of them (inner and outer) of 10^6 rows of 17 int32 tokens, segment ids and positions and an
+    int32 flag per row."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 2**29)
+    assert cli.main(["check-grads", "--task", "maml", "--model", "tiny", "--seq-len", "16", "--batch", "1000000",
+                     "--inner-steps", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("metatrain check-grads: error: the problem holds at least "), err
+    assert err.endswith("more than the 512.0 MiB available on this machine; it compares meta-gradients on small "
+                        "problems: use a smaller --model, --n-layers, --batch or --seq-len"), err
+    params = 8 * models.param_count(models.preset("tiny"))  # float64: η and its copies, θ and its inner state
+    said = float(err.split("at least ")[1].split(" MiB")[0]) * 2**20  # to 0.1 MiB
+    batches = 3 * 10**6 * (17 * 3 + 1) * 4
+    assert batches + 5 * params - 0.05 * 2**20 <= said <= batches + 10 * params + 0.05 * 2**20
+
+
 @pytest.mark.parametrize("flag, value", [("--tol-rel", "-1"), ("--tol-fd", "nan"), ("--eps", "0"),
                                          ("--tol-members", "inf")])
 def test_a_tolerance_or_step_that_is_not_a_positive_number_is_refused(capsys, flag, value):

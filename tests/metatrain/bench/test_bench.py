@@ -125,7 +125,7 @@ def test_bench_time_past_the_memory_is_one_line_naming_the_variant(monkeypatch, 
     runner = steptime._Runner.__new__(steptime._Runner)
     runner.name = "mixflow+remat+save"
     with pytest.raises(TrainingError, match=r"^mixflow\+remat\+save ran out of memory \(RESOURCE_EXHAUSTED: Out of "
-                                            r"memory while trying to allocate 130\.22GiB\.\); time fewer variants"):
+                                            r"memory while trying to allocate 130\.22GiB\); time fewer variants"):
         with runner._out_of_memory():
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 130.22GiB.\n"
                                              "more lines")
