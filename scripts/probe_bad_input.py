@@ -154,6 +154,8 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("check-grads on a model past the memory here",
                      ["check-grads", "--model", "16b", "--seq-len", "16", "--batch", "2", "--inner-steps", "1"],
                      "the problem holds at least", limit=60))
+    out.append(Probe("bench generate on a model past the memory here", ["bench", "generate", "--model", "16b"],
+                     "the model's parameters take", limit=60))
     out.append(Probe("bf16 kept states without saved gradients",
                      train("metagrad.state_dtype=bfloat16", "metagrad.save_inner_grads=false"), "metagrad.state_dtype"))
 

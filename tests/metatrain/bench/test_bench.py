@@ -212,3 +212,17 @@ def test_bench_generate_checks_the_cache_gives_the_uncached_tokens(tmp_path, cap
     assert r["same_tokens"] is True and r["new_tokens"] == 9 and r["batch"] == 2
     assert r["seconds_per_token_cached"] > 0 and r["seconds_per_token_uncached"] > 0
     assert "ms/token with the KV cache" in capsys.readouterr().out
+
+
+def test_bench_generate_on_a_model_past_the_memory_is_one_line(monkeypatch, capsys):
+    """`bench generate --model 6.8b` on a 24 GiB machine: its parameters were allocated, then the process was killed
+    for memory. They are held against the memory here first: the tiny preset's 5,200 float32 parameters."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 5200 * 4 - 1)
+    code, _, err = cli_run(capsys, "bench", "generate", "--model", "tiny")
+    assert code == 2
+    one_line_error(err, "metatrain bench generate: error: the model's parameters take 0.0 MiB, more than the 0.0 MiB "
+                   "available on this machine; use a smaller model (--model, --n-layers) or fewer tokens")
+    monkeypatch.setattr(hostmem, "available", lambda: 5200 * 4)
+    assert cli_run(capsys, "bench", "generate", "--model", "tiny", "--prompt-len", "2", "--new-tokens", "2")[0] == 0
