@@ -97,6 +97,16 @@ def check_fits(memory: dict, devices, what: str = "the outer step", fix: str = F
     raise TrainingError(f"{what} {said}; {fix}")
 
 
+def check_bytes_fit(need: int, what: str, fix: str, detail: str = "", device=None) -> None:
+    """Refuses (one ConfigError line: "WHAT SIZE DETAIL, more than ...; FIX") `need` bytes where they pass the memory
+    of `device` here (`memory_here`; default JAX's first device), before they are allocated. Unknown memory passes."""
+    device = device if device is not None else jax.devices()[0]
+    have = memory_here(device)
+    if have is not None and need > have:
+        where = "available on this machine" if device.platform == "cpu" else f"of the {device.device_kind} JAX may use"
+        raise ConfigError(f"{what} {hostmem.size(need)}{detail}, more than the {hostmem.size(have)} {where}; {fix}")
+
+
 def state_bytes(shapes, shardings) -> tuple[int, int]:
     """What one device holds of a state with these shapes (`ShapeDtypeStruct`s) and shardings: its bytes in the
     device's memory and in host memory (leaves placed in `pinned_host`), its shard of each leaf (a copy where the

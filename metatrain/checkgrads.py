@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from metatrain import aot, hostmem, population
+from metatrain import aot, population
 from metatrain.bench.variants import Variant, build_task, variants
 from metatrain.config import PopulationConfig
 from metatrain.data.pipeline import DataConfig
@@ -74,13 +74,8 @@ def _check_fits(task, data: DataConfig, vocab: int, members: int, directions: in
     held = 0 if members > 1 and task.resets_inner else members  # inner states kept (one per member)
     need = (_bytes(meta) * (directions + 2) + _bytes(inner) * held + _bytes(jax.eval_shape(task.init_frozen, key))
             + _bytes(jax.eval_shape(lambda k: random_batches(data, vocab, k, members=members), key)))
-    device = jax.devices()[0]
-    have = aot.memory_here(device)
-    if have is not None and need > have:
-        where = "available on this machine" if device.platform == "cpu" else f"of the {device.device_kind} JAX may use"
-        raise ConfigError(f"the problem holds at least {hostmem.size(need)} in float64 (the meta-parameters "
-                          f"{directions + 2} times, the inner state, the batches), more than the {hostmem.size(have)} "
-                          f"{where}; {FIT_FIX}")
+    aot.check_bytes_fit(need, "the problem holds at least", FIT_FIX, f" in float64 (the meta-parameters "
+                        f"{directions + 2} times, the inner state, the batches)")
 
 
 @_float64

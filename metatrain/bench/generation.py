@@ -18,15 +18,11 @@ import numpy as np
 def measure(cfg, prompt_len: int = 32, new_tokens: int = 256, batch: int = 1, seed: int = 0) -> dict:
     """{seconds per token with and without the cache, their ratio, and the settings}; the two token sequences are
     checked to be the same."""
-    from metatrain import aot, hostmem, models
-    from metatrain.errors import ConfigError
+    from metatrain import aot, models
 
-    need, device = models.param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize, jax.devices()[0]
-    have = aot.memory_here(device)
-    if have is not None and need > have:  # the parameters alone: they were allocated, then the process was killed
-        where = "available on this machine" if device.platform == "cpu" else f"of the {device.device_kind} JAX may use"
-        raise ConfigError(f"the model's parameters take {hostmem.size(need)}, more than the {hostmem.size(have)} "
-                          f"{where}; {FIX}")
+    # the parameters alone, before they are allocated (they were, then the process was killed for memory)
+    aot.check_bytes_fit(models.param_count(cfg) * jnp.dtype(cfg.param_dtype).itemsize, "the model's parameters take",
+                        FIX)
     with aot.out_of_memory("generating", FIX):
         return _measure(cfg, prompt_len, new_tokens, batch, seed)
 
