@@ -70,10 +70,13 @@ class Lock:
         self.workdir = workdir
         self.path = os.path.join(log_dir(workdir), ".lock")
         self._file = None
-        self._made = False
+        self._made = []  # the folders acquire made, deepest first: a run that fails before writing removes them
 
     def acquire(self) -> Lock:
-        self._made = not os.path.isdir(os.path.dirname(self.path))  # a run that fails before writing removes it
+        folder, self._made = os.path.dirname(self.path), []
+        while folder and not os.path.isdir(folder):  # `runs/a` of a first run: `runs` too
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         except OSError as e:  # a folder the OS refuses (a read-only or special file system)
@@ -103,7 +106,11 @@ class Lock:
             folder = os.path.dirname(self.path)
             if self._made and os.listdir(folder) == [".lock"]:  # nothing but the lock: leave no empty work dir
                 os.remove(self.path)
-                os.rmdir(folder)
+                for made in self._made:  # and no empty folder above it that this lock made
+                    try:
+                        os.rmdir(made)
+                    except OSError:  # not empty (another run's), or gone
+                        break
 
     def __enter__(self) -> Lock:
         return self.acquire()

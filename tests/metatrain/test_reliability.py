@@ -156,12 +156,13 @@ def test_a_state_past_the_memory_here_is_refused_before_it_is_allocated(tmp_path
     from metatrain import hostmem
 
     monkeypatch.setattr(hostmem, "available", lambda: 2**30)
-    code, _, err = _train([f"workdir={tmp_path / 'run'}", "model.n_layers=100000", "baseline=uniform"], capsys)
+    monkeypatch.chdir(tmp_path)  # a first run in runs/a, as the README's: neither folder is left behind
+    code, _, err = _train(["workdir=runs/a", "model.n_layers=100000", "baseline=uniform"], capsys)
     assert code == 2
     one_line_error(err, "the run's state (its models' parameters and optimizer states) takes ",
                    "more than the 1.0 GiB available on this machine; use a smaller model (model.n_layers, "
                    "model.d_model, model.d_ff) or no baseline (baseline=none)")
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert os.listdir(tmp_path) == []
     # its size: ten float32 copies of the model's parameters (η, the meta-optimizer's two moments, θ and the inner
     # Adam's two moments, the baseline's θ, moments and uniform η), counted from the model config, to the 0.1 GiB said
     model = config.load(None, [*TINY, "model.n_layers=100000", "workdir=x"]).model
