@@ -107,6 +107,11 @@ def check_bytes_fit(need: int, what: str, fix: str, detail: str = "", device=Non
         raise ConfigError(f"{what} {hostmem.size(need)}{detail}, more than the {hostmem.size(have)} {where}; {fix}")
 
 
+def tree_bytes(tree) -> int:
+    """The bytes of a tree's arrays (or `ShapeDtypeStruct`s), all of each."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def state_bytes(shapes, shardings) -> tuple[int, int]:
     """What one device holds of a state with these shapes (`ShapeDtypeStruct`s) and shardings: its bytes in the
     device's memory and in host memory (leaves placed in `pinned_host`), its shard of each leaf (a copy where the

@@ -59,10 +59,6 @@ def _float64(fn: Callable) -> Callable:
 FIT_FIX = "it compares meta-gradients on small problems: use a smaller --model, --n-layers, --batch or --seq-len"
 
 
-def _bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def _check_fits(task, data: DataConfig, vocab: int, members: int, directions: int) -> None:
     """Refuses (one ConfigError line) a problem whose float64 arrays alone pass the memory here, from their shapes,
     before anything is allocated: at least the meta-parameters `directions` + 2 times (η, its flat copy and the
@@ -72,8 +68,10 @@ def _check_fits(task, data: DataConfig, vocab: int, members: int, directions: in
     meta = jax.eval_shape(task.init_meta, key)
     inner = jax.eval_shape(lambda k, m: task.init_inner(k, m), key, meta)
     held = 0 if members > 1 and task.resets_inner else members  # inner states kept (one per member)
-    need = (_bytes(meta) * (directions + 2) + _bytes(inner) * held + _bytes(jax.eval_shape(task.init_frozen, key))
-            + _bytes(jax.eval_shape(lambda k: random_batches(data, vocab, k, members=members), key)))
+    frozen = jax.eval_shape(task.init_frozen, key)
+    batches = jax.eval_shape(lambda k: random_batches(data, vocab, k, members=members), key)
+    size = aot.tree_bytes
+    need = size(meta) * (directions + 2) + size(inner) * held + size(frozen) + size(batches)
     aot.check_bytes_fit(need, "the problem holds at least", FIT_FIX, f" in float64 (the meta-parameters "
                         f"{directions + 2} times, the inner state, the batches)")
 

@@ -134,7 +134,7 @@ class Trainer:
         memory."""
         d, n = self.cfg.data, self.cfg.eval_batches
         local = [x for x in self.mesh.devices.flat if x.process_index == jax.process_index()]
-        batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(step_lib.batch_specs(d)[1]))  # an outer batch
+        batch = aot.tree_bytes(step_lib.batch_specs(d)[1])  # an outer batch
         need = n * batch * len(local) // self.mesh.devices.size
         cpu = local[0].platform == "cpu"  # a process's CPU devices share the host's memory
         have = aot.memory_here(local[0]) if cpu else sum(aot.memory_here(x) or 0 for x in local)
