@@ -138,16 +138,19 @@ def check_state_fits(shapes, shardings, devices, what: str, fix: str) -> None:
     if not local:
         return
     device, (on_device, on_host) = local[0], state_bytes(shapes, shardings)
+    here = "available on this machine"
     if device.platform == "cpu":  # a process's CPU devices share the host's memory
         need = (on_device + on_host) * len(local)
         per = f" ({hostmem.size(need // len(local))} per device x {len(local)} CPU devices)" if len(local) > 1 else ""
-        check_bytes_fit(need, f"{what} takes", fix, per, device)
-        return
-    check_bytes_fit(on_device, f"{what} takes", fix, " per device", device)
-    need, have = on_host * len(local), hostmem.available()
-    if on_host and have is not None and need > have:
-        raise ConfigError(f"{what} takes {hostmem.size(need)} in host memory, more than the {hostmem.size(have)} "
-                          f"available on this machine; {fix}")
+        checks = [(need, per, hostmem.available(), here)]
+    else:
+        checks = [(on_device, " per device", memory_here(device), f"of the {device.device_kind} JAX may use")]
+        if on_host:
+            checks.append((on_host * len(local), " in host memory", hostmem.available(), here))
+    for need, said, have, where in checks:
+        if have is not None and need > have:
+            raise ConfigError(f"{what} takes {hostmem.size(need)}{said}, more than the {hostmem.size(have)} {where}; "
+                              f"{fix}")
 
 
 @contextlib.contextmanager
