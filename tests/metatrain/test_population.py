@@ -120,6 +120,26 @@ def test_resets_are_staggered_over_the_lifetime():
     assert population.resets_at(5, PopulationConfig(size=4)) == []  # lifetime 0: never
 
 
+def test_members_start_from_their_own_keys_in_a_program_that_does_not_grow_with_them():
+    """Member 0 is a one-member run's init (from the key itself), member i the init from fold_in(key, i); and the
+    init program has as many lines for 300 members as for 3 (one init per member made 200 members' start-up compile
+    for more than 10 minutes, a stop signal unheard until it ended). The same float32 draws, compiled in two
+    programs, may differ by an ulp or two (1e-6 relative); another key's draws differ by O(1)."""
+    task = build_task("learned_lr", MODEL.replace(param_dtype="float32"), remat=False)
+    key, meta = jax.random.key(7), task.init_meta(jax.random.key(8))
+    got = population.init_inner(task, key, meta, N)
+    for i, k in enumerate([key, jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)]):
+        alone = jax.jit(task.init_inner)(k, meta)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), population.member(got, i),
+                     alone)
+
+    def lines(n):
+        return len(jax.jit(lambda k, m: population.init_inner(task, k, m, n)).lower(key, meta).as_text().splitlines())
+
+    few, many = lines(3), lines(300)
+    assert few == many, (few, many)
+
+
 def test_a_reset_to_pretrained_weights_is_them_with_a_fresh_inner_adam():
     task = build_task("learned_lr", MODEL.replace(param_dtype="float32"), remat=False)
     theta = task.init_params(jax.random.key(3))
