@@ -351,6 +351,8 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("filter stopped by SIGTERM", ["filter", run, "--data", "jsonl:big.jsonl", "--out", "cur",
                                                    "--drop", "0.3"], None, setup=big, absent=("cur",),
                      interrupt=("cur/.parts", signal.SIGTERM)))
+    # one init per member: more than 10 minutes of compiling before the first step, a stop signal unheard meanwhile
+    out.append(Probe("train with 200 population members", train("population.size=200"), None, limit=120))
 
     size = lambda path: path.stat().st_size if path.exists() else 0
 
