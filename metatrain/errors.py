@@ -30,6 +30,20 @@ class TrainingError(MetatrainError, RuntimeError):
     """A run that cannot go on (or cannot start here); the message says why and what is intact."""
 
 
+class StoppedBySignal(TrainingError):
+    """A run stopped by SIGTERM or SIGINT after saving; the message says what was saved and how to continue. The
+    `metatrain` command prints it as one line (no "error:") and exits 128 + `signum`, as every stopped command does.
+
+    Args:
+      message: what was saved and how to continue.
+      signum: the signal's number.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 class RenamedWarning(DeprecationWarning):
     """A name metatrain had before a rename (a config key or value, a flag, a variant token, an argument): it still
     works, for at least one release after the rename, and the warning names the new one. The `metatrain` command

@@ -30,7 +30,7 @@ from metatrain.aot import check_fits, compiled_memory
 from metatrain.checkpoints import Checkpoints
 from metatrain.config import AUTO, Config
 from metatrain.data.pipeline import Streams, device_features, to_global
-from metatrain.errors import ConfigError, TrainingError
+from metatrain.errors import ConfigError, StoppedBySignal, TrainingError
 from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
 from metatrain.tasks import validate
 from metatrain.tasks.weight_eval import EvalContext
@@ -332,7 +332,7 @@ class Trainer:
     def _on_signal(self, signum, _frame):
         """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
         one stops at once."""
-        self._stop_signal = signal.Signals(signum).name
+        self._stop_signal, self._stop_signum = signal.Signals(signum).name, signum
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
             raise _StoppedWaiting
@@ -364,7 +364,8 @@ class Trainer:
           baseline's validation loss (with one) and what the task's evaluation adds.
 
         Raises:
-          TrainingError: stopped by a signal (after saving), or by `max_bad_steps` non-finite updates in a row.
+          StoppedBySignal: stopped by SIGTERM or SIGINT (after saving); a `TrainingError`.
+          TrainingError: stopped by `max_bad_steps` non-finite updates in a row.
         """
         cfg = self.cfg
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -420,11 +421,11 @@ class Trainer:
                     self.save()
                 if self._stop_signal:
                     self.save()
-                    raise TrainingError(f"stopped by {self._stop_signal} at step {step + 1}; checkpoint {step + 1} "
-                                        f"saved, {self.continue_hint}")
+                    raise StoppedBySignal(f"stopped by {self._stop_signal} at step {step + 1}; checkpoint {step + 1} "
+                                          f"saved, {self.continue_hint}", self._stop_signum)
             self.save()
         except _StoppedWaiting:
-            raise TrainingError(self._stopped_waiting()) from None
+            raise StoppedBySignal(self._stopped_waiting(), self._stop_signum) from None
         finally:
             bar.close()
             self.checkpoints.close()  # waits for every save in flight, whatever ended the loop

@@ -21,7 +21,7 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from metatrain import argtypes, collector, platforms
-from metatrain.errors import MetatrainError, RenamedWarning
+from metatrain.errors import MetatrainError, RenamedWarning, StoppedBySignal
 
 with collector.paused():  # importing the commands' libraries (JAX, Flax, Orbax, ...) leaves nothing to collect
     from metatrain.cli import bench, check, data, experiment, generate, run
@@ -253,6 +253,9 @@ def _main(argv, prefix: list[str]) -> int:
         said = " ".join(str(e).split())
         for prefix in (f"{name}: ", f"{args.command}: "):  # the library's own prefix (for Python callers), said once
             said = said.removeprefix(prefix)
+        if isinstance(e, StoppedBySignal):  # a run saved and stopped: as every stopped command, not an error
+            print(f"metatrain {name}: {said}", file=sys.stderr)
+            return 128 + e.signum
         print(f"metatrain {name}: error: {said}", file=sys.stderr)
         return 2
     except Exception as e:

@@ -427,9 +427,9 @@ def test_a_signal_saves_and_stops_with_one_line(tmp_path, sig):
         time.sleep(0.1)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]  # as every stopped command: it was 2, a bad input's
     step = checkpoints(workdir)[-1]
-    one_line_error(err, f"stopped by {sig.name} at step {step}; checkpoint {step} saved")
+    one_line_error(err, f"metatrain train: stopped by {sig.name} at step {step}; checkpoint {step} saved")
     assert "already exists" not in err and "KeyboardInterrupt" not in err
     assert not [n for n in os.listdir(workdir / "checkpoints") if "tmp" in n]
 
@@ -483,8 +483,9 @@ def test_a_signal_stops_a_run_waiting_for_data_at_once_and_saves_the_last_step(t
         finally:
             proc.kill()
     text = err_path.read_text()
-    assert proc.returncode == 2, text[-3000:]
-    one_line_error(text, "stopped by SIGTERM at step 2; checkpoint 2 saved (the signal came while waiting for data)")
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    one_line_error(text, "metatrain train: stopped by SIGTERM at step 2; checkpoint 2 saved (the signal came while "
+                   "waiting for data)")
     assert checkpoints(workdir) == [2]
     # the shared run reads the same streams (TINY's data) and saved step 2 at its end
     for stream in ("inner_data", "outer_data"):
