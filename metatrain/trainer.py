@@ -84,6 +84,9 @@ class Trainer:
         self.cfg = data_derived(cfg, self.streams)
         self._features = device_features(self.cfg.data)
         self._check_evaluation_fits()
+        note = config_lib.unrolled_note(self.cfg)
+        if note and self.is_main:
+            tqdm.write(note, file=sys.stderr)
         self.program = self._program()
         self.task = self.program.task
         self._check_state_fits()
