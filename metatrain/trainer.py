@@ -127,7 +127,7 @@ class Trainer:
         distributed.barrier("compiled")
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
-        self._stop_signal = None
+        self._stop_signal: signal.Signals | None = None
         self.continue_hint = "run again with --resume to continue"  # after a stop by signal; callers may say theirs
 
     def _check_evaluation_fits(self) -> None:
@@ -335,7 +335,7 @@ class Trainer:
     def _on_signal(self, signum, _frame):
         """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
         one stops at once."""
-        self._stop_signal, self._stop_signum = signal.Signals(signum).name, signum
+        self._stop_signal = signal.Signals(signum)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
             raise _StoppedWaiting
@@ -350,8 +350,8 @@ class Trainer:
                 self.streams.set_state(self._positions)
             self.save()
         saved = f"checkpoint {step} saved" if self.checkpoints.last_saved == step else self._last_checkpoint()
-        return (f"stopped by {self._stop_signal} at step {step}; {saved} (the signal came while waiting for data), "
-                f"{self.continue_hint}")
+        return (f"stopped by {self._stop_signal.name} at step {step}; {saved} (the signal came while waiting for "
+                f"data), {self.continue_hint}")
 
     def _last_checkpoint(self) -> str:
         step = self.checkpoints.last_saved
@@ -422,13 +422,13 @@ class Trainer:
                         self.log.write(evaluation)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self.save()
-                if self._stop_signal:
+                if self._stop_signal is not None:
                     self.save()
-                    raise StoppedBySignal(f"stopped by {self._stop_signal} at step {step + 1}; checkpoint {step + 1} "
-                                          f"saved, {self.continue_hint}", self._stop_signum)
+                    raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
+                                          f"{step + 1} saved, {self.continue_hint}", self._stop_signal)
             self.save()
         except _StoppedWaiting:
-            raise StoppedBySignal(self._stopped_waiting(), self._stop_signum) from None
+            raise StoppedBySignal(self._stopped_waiting(), self._stop_signal) from None
         finally:
             bar.close()
             self.checkpoints.close()  # waits for every save in flight, whatever ended the loop
