@@ -76,6 +76,20 @@ def _check_fits(task, data: DataConfig, vocab: int, members: int, directions: in
                         f"{directions + 2} times, the inner state, the batches)")
 
 
+def _member(k: int, *trees) -> tuple:
+    """Member `k`'s part of each population tree (inner states, batches)."""
+    return tuple(population.member(t, k) for t in trees)
+
+
+def _compiled(fn: Callable, what: str, *args):
+    """`fn` compiled for `args`, refused (one TrainingError line) where its peak passes the memory here, before it
+    runs: `--seq-len 100000000` passed the arrays' own check, then dense attention's scores had the process killed
+    for memory after minutes."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    aot.check_fits(aot.compiled_memory(compiled), jax.devices()[:1], f"check-grads: {what}", FIT_FIX)
+    return compiled
+
+
 @_float64
 def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: int = 0, directions: int = 3,
                 eps: float = 1e-2, tol_rel: float = 1e-10, tol_fd: float = 1e-6, inner_lr: float = 1e-2,
@@ -114,8 +128,7 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     batches, outer_batch = random_batches(data, model.vocab_size, k_data, members=members)
     if members > 1:
         inner = None if ref_task.resets_inner else population.init_inner(ref_task, k_inner, meta, members)
-        part = lambda k: (population.member(inner, k), population.member(batches, k),
-                          population.member(outer_batch, k))
+        part = lambda k: _member(k, inner, batches, outer_batch)
         validate(ref_task, meta, part(0)[0], part(0)[2], frozen)
     else:
         inner = ref_task.init_inner(k_inner, meta)
@@ -128,12 +141,14 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     one_value = lambda m, fr, i, b, o: outer_loss(ref_task.with_frozen(fr), MetaGradMethod("autodiff", False))(
         m, i, b, o)[0]
     if members > 1:  # the population's outer loss: its members' mean
-        value = jax.jit(lambda m, fr: sum(one_value(m, fr, *part(k)) for k in range(members)) / members)
+        outer = lambda m, fr, *args: sum(one_value(m, fr, *_member(k, *args)) for k in range(members)) / members
     else:
-        value = jax.jit(lambda m, fr: one_value(m, fr, inner, batches, outer_batch))
+        outer = one_value
+    value = _compiled(outer, "the outer loss", meta, frozen, inner, batches, outer_batch)
     dirs = jax.random.normal(k_dir, (directions, flat.size), flat.dtype)
     dirs = dirs / jnp.linalg.norm(dirs, axis=1, keepdims=True)
-    fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen), eps) for u in dirs])
+    fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen, inner, batches, outer_batch),
+                                    eps) for u in dirs])
 
     results, ref = [], None
     plain = Variant("autodiff", False, False)  # the reference: plain reverse-over-reverse, every step kept
@@ -144,17 +159,19 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
         task = build(m, remat=v.remat)
         method = dataclasses.replace(v.method, state_dtype="float64") if v.state_dtype else v.method
         # (+offload_states runs as is: on CPU host memory is the same memory: this checks its backward pass exactly)
-        grad_fn = jax.jit(lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr),
-                                                                                          method)(*args))
+        grad_of = lambda fr, *args, task=task, method=method: meta_value_and_grad(task.with_frozen(fr), method)(*args)
         members_err = None
         if members > 1:
-            pop_grad = jax.jit(lambda fr, *args, task=task, method=method: population.run_members(
-                task.with_frozen(fr), method, PopulationConfig(size=members), seed, 0, *args).grad)
+            pop_grad = _compiled(lambda fr, *args, task=task, method=method: population.run_members(
+                task.with_frozen(fr), method, PopulationConfig(size=members), seed, 0, *args).grad,
+                f"{v.name}'s meta-gradient", frozen, meta, inner, batches, outer_batch)
             grad = pop_grad(frozen, meta, inner, batches, outer_batch)
+            grad_fn = _compiled(grad_of, f"{v.name}'s meta-gradient", frozen, meta, *part(0))
             alone = [ravel_pytree(grad_fn(frozen, meta, *part(k))[1])[0] for k in range(members)]
             mean = sum(alone) / members
             members_err = float(jnp.max(jnp.abs(ravel_pytree(grad)[0] - mean)) / jnp.max(jnp.abs(mean)))
         else:
+            grad_fn = _compiled(grad_of, f"{v.name}'s meta-gradient", frozen, meta, inner, batches, outer_batch)
             _, grad = grad_fn(frozen, meta, inner, batches, outer_batch)
         g = ravel_pytree(grad)[0]
         ref = g if ref is None else ref  # the first variant is plain reverse-over-reverse

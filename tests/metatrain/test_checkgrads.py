@@ -109,6 +109,22 @@ def test_a_problem_past_the_memory_here_is_refused_before_it_is_allocated(capsys
     assert batches + 5 * params - 0.05 * 2**20 <= said <= batches + 10 * params + 0.05 * 2**20
 
 
+def test_a_program_past_the_memory_here_is_refused_before_it_runs(capsys, monkeypatch):
+    """`--seq-len 100000000` passed the check of the arrays (a few GiB of tokens), then dense attention's scores (S^2
+    per head) had the process killed for memory after six minutes. Each program is compiled first and its peak held
+    against the memory here: at S = 10^5 the tokens take 3.6 MB, the outer loss's scores alone 10^10 float64 per
+    head."""
+    from metatrain import hostmem
+
+    monkeypatch.setattr(hostmem, "available", lambda: 2**30)
+    assert cli.main(["check-grads", "--task", "maml", "--model", "tiny", "--seq-len", "100000", "--batch", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("metatrain check-grads: error: the outer loss needs "), err
+    assert err.endswith("more than the 1.0 GiB available on this machine; it compares meta-gradients on small "
+                        "problems: use a smaller --model, --n-layers, --batch or --seq-len"), err
+    assert float(err.split("needs ")[1].split(" GiB")[0].replace(",", "")) >= 10**10 * 8 / 2**30
+
+
 @pytest.mark.parametrize("flag, value", [("--tol-rel", "-1"), ("--tol-fd", "nan"), ("--eps", "0"),
                                          ("--tol-members", "inf")])
 def test_a_tolerance_or_step_that_is_not_a_positive_number_is_refused(capsys, flag, value):
