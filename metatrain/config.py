@@ -424,12 +424,30 @@ def _refuse_groups(keys, where: str = "") -> None:
     """A key given a value that names a whole group (`model=1`, `inner.lora=4`, `model: 3` in a YAML file) is
     refused, naming one of the group's keys."""
     for key in keys:
-        node = Config
-        for part in key.split("."):
-            node = _field_types(node).get(part) if dataclasses.is_dataclass(node) else None
+        node = _field_type(key)
         if dataclasses.is_dataclass(node):
             raise ConfigError(f"{key}{where}: a group of settings, not a value; set its keys, e.g. "
                               f"{key}.{dataclasses.fields(node)[0].name}=...")
+
+
+def _field_type(key: str):
+    """The type of the config field a dotted key names (None: no such field)."""
+    node = Config
+    for part in key.split("."):
+        node = _field_types(node).get(part) if dataclasses.is_dataclass(node) else None
+    return node
+
+
+def _refuse_numbers_as_switches(node, where: str = "") -> None:
+    """A switch (a bool key) given a whole number other than 0 or 1 (`model.remat=5`, `remat: 2` in a YAML file) is
+    refused in one line: OmegaConf reads any such number as true, which hides a key given a count by mistake."""
+    for key in _keys(node, groups=False):
+        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
+        if (isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1)
+                and _field_type(key) is bool):
+            leaf = key.rpartition(".")[2]
+            fix = f"`{leaf}: true` or `{leaf}: false`" if where else f"{key}=true or {key}=false"
+            raise ConfigError(f"{key}{where}: {value} is not true or false; write {fix}")
 
 
 def _keys(node, prefix: str = "", groups: bool = True) -> list[str]:
@@ -546,6 +564,7 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
             preset_cfg = _preset_config(preset)
             _upgrade_yaml(preset_cfg, preset)
             _refuse_groups(_keys(preset_cfg, groups=False), f" in {preset}")
+            _refuse_numbers_as_switches(preset_cfg, f" in {preset}")
             tokenizer_given |= OmegaConf.select(preset_cfg, "data.tokenizer") is not None
             try:
                 merged = OmegaConf.merge(merged, preset_cfg)
@@ -557,7 +576,9 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
         check_syntax(overrides)
         overrides = _upgrade_overrides(overrides)
         _refuse_groups([override_key(o) for o in overrides])
-        merged = OmegaConf.merge(merged, _dotlist(overrides))
+        given = _dotlist(overrides)
+        _refuse_numbers_as_switches(given)
+        merged = OmegaConf.merge(merged, given)
         cfg = OmegaConf.to_object(merged)
     except ConfigError:
         raise

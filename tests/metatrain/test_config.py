@@ -1,6 +1,11 @@
-"""What a run's config tells the user before anything compiles."""
+"""What a run's config tells the user before anything compiles, and what it refuses."""
+
+import re
+
+import pytest
 
 from metatrain import config
+from metatrain.errors import ConfigError
 
 
 def test_many_blocks_as_straight_line_code_are_told_what_they_cost():
@@ -13,3 +18,17 @@ def test_many_blocks_as_straight_line_code_are_told_what_they_cost():
     assert config.unrolled_note(config.load("default", [])) is None  # the main job's two blocks
     assert config.unrolled_note(config.load("default", ["model.n_layers=48", "model.scan_layers=true"])) is None
     assert config.unrolled_note(config.load("maml", ["model.n_layers=48"])) is None  # presets that loop by default
+
+
+def test_a_switch_takes_true_false_or_their_spellings_but_no_other_number(tmp_path):
+    """OmegaConf reads any whole number as a bool (`model.remat=5`: true), which hides a key given a count by
+    mistake; 0 and 1 and YAML's words for true and false stay as they were."""
+    for value, read in [("1", True), ("0", False), ("yes", True), ("off", False), ("True", True)]:
+        assert config.load("default", [f"model.remat={value}"]).model.remat is read
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("model:\n  remat: 2\n")
+    said = f"model.remat in {preset}: 2 is not true or false; write `remat: true` or `remat: false`"
+    with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+        config.load(str(preset))
+    preset.write_text("model:\n  remat: 1\n")
+    assert config.load(str(preset)).model.remat is True

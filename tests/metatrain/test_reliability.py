@@ -127,6 +127,10 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("data.seed=-1", "data.seed must be >= 0, got -1"),
     ("model.norm_eps=inf", "model.rope_base and model.norm_eps must be finite numbers > 0, got 10000.0, inf"),
     ("model.rope_base=inf", "model.rope_base and model.norm_eps must be finite numbers > 0, got inf"),
+    # a switch given a count: OmegaConf read any whole number as true
+    ("model.remat=5", "model.remat: 5 is not true or false; write model.remat=true or model.remat=false"),
+    ("meta_opt.offload_moments=-1", "meta_opt.offload_moments: -1 is not true or false; write "
+                                    "meta_opt.offload_moments=true or meta_opt.offload_moments=false"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
