@@ -38,5 +38,8 @@ def available() -> int | None:
 
 
 def size(n: float) -> str:
-    """A byte count for a message: in GiB, or in MiB below 1 GiB."""
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    """A byte count for a message: in GiB, MiB below 1 GiB, KiB below 1 MiB, bytes below 1 KiB (never "0.0 MiB")."""
+    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:,.1f} {name}"
+    return f"{int(n):,} bytes"

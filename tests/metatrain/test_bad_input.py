@@ -138,7 +138,7 @@ def test_an_outer_step_past_the_memory_here_is_refused_before_its_first_step(tmp
     monkeypatch.setattr(aot, "memory_here", lambda device: 0)
     code = cli.main(["train", *TINY, f"workdir={tmp_path / 'run'}"])
     assert code == 2
-    one_line_error(capsys.readouterr().err, "the outer step needs", "at its peak", "more than the 0.0 MiB available",
+    one_line_error(capsys.readouterr().err, "the outer step needs", "at its peak", "more than the 0 bytes available",
                    "data.batch", "data.seq_len", "metatrain bench memory")
     assert not (tmp_path / "run").exists()
 
