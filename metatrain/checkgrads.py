@@ -125,13 +125,17 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     flat, unravel = ravel_pytree(meta)
     flat = flat + perturb * jax.random.normal(k_noise, flat.shape, flat.dtype)
     meta = unravel(flat)
-    batches, outer_batch = random_batches(data, model.vocab_size, k_data, members=members)
+    make_data = lambda: random_batches(data, model.vocab_size, k_data, members=members)
     if members > 1:
-        inner = None if ref_task.resets_inner else population.init_inner(ref_task, k_inner, meta, members)
-        part = lambda k: _member(k, inner, batches, outer_batch)
-        validate(ref_task, meta, part(0)[0], part(0)[2], frozen)
+        make_inner = lambda: None if ref_task.resets_inner else population.init_inner(ref_task, k_inner, meta, members)
     else:
-        inner = ref_task.init_inner(k_inner, meta)
+        make_inner = lambda: ref_task.init_inner(k_inner, meta)
+    # the task checked and the reference compiled (its peak held against the memory here) from the shapes alone,
+    # before the inner state and the batches are made
+    inner, (batches, outer_batch) = jax.eval_shape(lambda: (make_inner(), make_data()))
+    if members > 1:
+        validate(ref_task, meta, *_member(0, inner, outer_batch), frozen)
+    else:
         validate(ref_task, meta, inner, outer_batch, frozen)
 
     # Fourth-order central differences of the outer loss along random unit directions. Inner Adam
@@ -145,6 +149,8 @@ def check_grads(task_name: str, model: ModelConfig, data: DataConfig, *, seed: i
     else:
         outer = one_value
     value = _compiled(outer, "the outer loss", meta, frozen, inner, batches, outer_batch)
+    inner, (batches, outer_batch) = make_inner(), make_data()
+    part = lambda k: _member(k, inner, batches, outer_batch)
     dirs = jax.random.normal(k_dir, (directions, flat.size), flat.dtype)
     dirs = dirs / jnp.linalg.norm(dirs, axis=1, keepdims=True)
     fd = jnp.stack([_directional_fd(lambda h, u=u: value(unravel(flat + h * u), frozen, inner, batches, outer_batch),
