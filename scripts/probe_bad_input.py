@@ -137,6 +137,7 @@ def probes(f: dict) -> list[Probe]:
         out.append(Probe(f"override {key}={value}", train(f"{key}={value}"), says))
     out.append(Probe("cosine warmup past the run", train("meta_opt.schedule=cosine", "meta_opt.warmup_steps=5"),
                      "warmup_steps"))
+    out.append(Probe("a switch given a count", train("model.remat=5"), "model.remat: 5 is not true or false"))
     out.append(Probe("an outer step past the memory here", train("data.seq_len=100000"), "at its peak",
                      absent=("w",)))
     out.append(Probe("shuffle windows past the memory here", train("data.shuffle_window=100000000"),
@@ -478,6 +479,9 @@ def probes(f: dict) -> list[Probe]:
             out.append(Probe(f"{cmd[0]} {flag} {value}", [*cmd, flag, value], flag))
     out.append(Probe("check-grads of an unknown task", ["check-grads", "--task", "nope"], "unknown task"))
     out.append(Probe("check-grads of an unknown mode", ["check-grads", "--modes", "fast"], "fast"))
+    # its arrays passed the memory check; dense attention's scores were killed for memory after six minutes
+    out.append(Probe("check-grads at 10^8 tokens a row", ["check-grads", "--seq-len", "100000000"],
+                     "the outer loss needs", limit=120))
     out.append(Probe("bench memory of an unknown variant", ["bench", "memory", "--variants", "fast"], "fast"))
     out.append(Probe("compile a run dir without --config", ["compile", "runs/mine"], "goes after --config"))
     out.append(Probe("compile --config with --batch", ["compile", "--config", "maml", "--batch", "8"],
