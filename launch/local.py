@@ -5,13 +5,16 @@ multi-host code path (jax.distributed, per-process data shards, Orbax from every
 
 Process 0's output passes through; the others' lines are prefixed `[process i]`. When a process
 fails, the launcher stops the rest (SIGTERM, then SIGKILL after --grace seconds) and exits with the
-failed process's code, so a crash never leaves the job hanging.
+failed process's code, so a crash never leaves the job hanging. SIGTERM or Ctrl-C to the launcher is
+passed on to every process (a run saves its checkpoint and stops), then it exits 128 + the signal; a
+second one kills them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,43 +38,78 @@ def _relay(stream, prefix: str, out):
 
 
 def launch(command: list[str], processes: int, devices: int, port: int = 0, grace: float = 10.0) -> int:
-    """Start the processes, wait for all; on the first failure stop the others. Returns the exit code."""
+    """Start the processes, wait for all; on the first failure stop the others. SIGTERM or Ctrl-C (SIGINT) is passed
+    on to every process, whose command stops as it does alone (a run saves its checkpoint); the launcher waits for
+    them and exits 128 + the signal. A second signal kills them. Returns the exit code."""
     port = port or free_port()
-    procs = []
-    for i in range(processes):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
-                   METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES=str(processes),
-                   METATRAIN_PROCESS_ID=str(i))
-        env = hugepage_env(env) or env  # as the `metatrain` program has it
-        pipe = None if i == 0 else subprocess.PIPE
-        p = subprocess.Popen([sys.executable, "-m", "metatrain.cli", *command], env=env, stdout=pipe,
-                             stderr=None if i == 0 else subprocess.STDOUT)
-        if i:
-            threading.Thread(target=_relay, args=(p.stdout, f"[process {i}] ", sys.stderr), daemon=True).start()
-        procs.append(p)
-    failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        time.sleep(0.2)
-    if failed is None:
-        failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+    procs, stop = [], []
+
+    def on_signal(signum, _frame):
+        again = bool(stop)
+        stop.append(signum)
+        running = [p for p in procs if p.poll() is None]
+        if running:
+            name = signal.Signals(signum).name
+            print(f"launch.local: {name}{' again: killing' if again else ': passing it on to'} the processes",
+                  file=sys.stderr)
+        for p in running:
+            if again:
+                p.kill()
+            else:
+                p.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for i in range(processes):
+            if stop:
+                break
+            env = dict(os.environ, JAX_PLATFORMS="cpu",
+                       XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+                       METATRAIN_COORDINATOR=f"127.0.0.1:{port}", METATRAIN_NUM_PROCESSES=str(processes),
+                       METATRAIN_PROCESS_ID=str(i))
+            env = hugepage_env(env) or env  # as the `metatrain` program has it
+            pipe = None if i == 0 else subprocess.PIPE
+            # in a process group of their own: a terminal's Ctrl-C reaches the launcher alone, which passes it on
+            # once (else each process had it twice)
+            p = subprocess.Popen([sys.executable, "-m", "metatrain.cli", *command], env=env, stdout=pipe,
+                                 stderr=None if i == 0 else subprocess.STDOUT, process_group=0)
+            if i:
+                threading.Thread(target=_relay, args=(p.stdout, f"[process {i}] ", sys.stderr), daemon=True).start()
+            procs.append(p)
+            if stop:  # a signal between its start and here
+                p.send_signal(stop[0])
+        failed = None
+        while any(p.poll() is None for p in procs):
+            if not stop:
+                failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                if failed is not None:
+                    break
+            time.sleep(0.2)
+        if stop:
+            return 128 + stop[0]
         if failed is None:
-            return 0
-    code = procs[failed].returncode
-    print(f"launch.local: process {failed} exited with code {code}; stopping the other processes",
-          file=sys.stderr)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.time(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return code if code > 0 else 1
+            failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+            if failed is None:
+                return 0
+        code = procs[failed].returncode
+        print(f"launch.local: process {failed} exited with code {code}; stopping the other processes",
+              file=sys.stderr)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return code if code > 0 else 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

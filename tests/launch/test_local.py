@@ -2,6 +2,8 @@
 2-process restart, and a dead process stopping the job."""
 
 import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -129,3 +131,45 @@ def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert e.value.code == 2 and last.startswith(f"python -m metatrain.launch.local: error: {says}"), err
+
+
+def test_a_signal_to_the_launcher_stops_every_process_as_it_stops_one(tmp_path):
+    """SIGTERM (a scheduler, `timeout`, `docker stop`) killed the launcher alone: its processes ran on, orphans,
+    a run writing checkpoints nobody waited for. It is passed on to each (they stop as a command stops alone) and
+    the launcher exits 128 + 15 once they have. The command here reads a large corpus; the signal is sent once both
+    processes have it open (inside the command, their own handlers set)."""
+    corpus = tmp_path / "corpus.jsonl"
+    line = "".join(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(10_000))
+    corpus.write_text(line * 30)
+    launcher = subprocess.Popen([sys.executable, "-m", "metatrain.launch.local", "--processes", "2", "--devices", "1",
+                                 "--", "data", "stats", "--source", f"jsonl:{corpus}"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=env(1))
+
+    def reading() -> list[int]:  # the processes with the corpus open
+        pids = subprocess.run(["pgrep", "-f", str(corpus)], capture_output=True, text=True).stdout.split()
+        return [pid for pid in map(int, pids) if pid != launcher.pid and _has_open(pid, str(corpus))]
+
+    try:
+        deadline = time.time() + 120
+        while len(reading()) < 2:
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.time() < deadline, "the two processes never opened the corpus"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        err = launcher.communicate(timeout=60)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "launch.local: SIGTERM: passing it on to the processes" in err, err[-3000:]
+    assert "[process 1] metatrain data stats: stopped by SIGTERM" in err, err[-3000:]
+    assert "\nmetatrain data stats: stopped by SIGTERM" in err, err[-3000:]
+    left = subprocess.run(["pgrep", "-f", str(corpus)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left running: {left}"
+
+
+def _has_open(pid: int, path: str) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # gone, or a descriptor closed meanwhile
+        return False
