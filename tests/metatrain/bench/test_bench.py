@@ -222,7 +222,7 @@ def test_bench_generate_on_a_model_past_the_memory_is_one_line(monkeypatch, caps
     monkeypatch.setattr(hostmem, "available", lambda: 5200 * 4 - 1)
     code, _, err = cli_run(capsys, "bench", "generate", "--model", "tiny")
     assert code == 2
-    one_line_error(err, "metatrain bench generate: error: the model's parameters take 0.0 MiB, more than the 0.0 MiB "
+    one_line_error(err, "metatrain bench generate: error: the model's parameters take 20.3 KiB, more than the 20.3 KiB "
                    "available on this machine; use a smaller model (--model, --n-layers) or fewer tokens")
     monkeypatch.setattr(hostmem, "available", lambda: 5200 * 4)
     assert cli_run(capsys, "bench", "generate", "--model", "tiny", "--prompt-len", "2", "--new-tokens", "2")[0] == 0
