@@ -642,6 +642,13 @@ def read_text(path: str) -> str | None:
 
 
 def write_text(path: str, text: str) -> None:
+    """`text` at `path`, its folder made if missing. A local file is written through a temporary one
+    (`paths.staged_file`), so a run killed while it rewrites its config.yaml on resume keeps the one it had; an object
+    store's write (gs://...) is whole or nothing already."""
+    if not paths.is_remote(path):
+        with paths.staged_file(os.path.abspath(path)) as tmp, open(tmp, "w") as f:
+            f.write(text)
+        return
     from etils import epath
 
     p = epath.Path(path)

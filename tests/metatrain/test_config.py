@@ -1,5 +1,6 @@
 """What a run's config tells the user before anything compiles, and what it refuses."""
 
+import os
 import re
 
 import pytest
@@ -32,3 +33,19 @@ def test_a_switch_takes_true_false_or_their_spellings_but_no_other_number(tmp_pa
         config.load(str(preset))
     preset.write_text("model:\n  remat: 1\n")
     assert config.load(str(preset)).model.remat is True
+
+
+def test_a_config_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A run rewrites its config.yaml on every resume; killed while it did, the file was left cut short and the run
+    could not resume. It is written beside and moved over at the end: stopped before that, the old one stays."""
+    path = tmp_path / "run" / "config.yaml"
+    config.write_text(str(path), "steps: 4\n")
+    assert path.read_text() == "steps: 4\n"
+
+    def killed(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        config.write_text(str(path), "steps: 8\n" * 1000)
+    assert path.read_text() == "steps: 4\n" and os.listdir(path.parent) == ["config.yaml"]
