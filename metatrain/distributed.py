@@ -19,6 +19,8 @@ expected size"), where freshly compiled ones agree.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 from metatrain.errors import ConfigError
 
@@ -48,11 +50,34 @@ def _detected() -> str | None:
     return None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               heartbeat_timeout: int = 60, timeout: int = 300) -> str:
-    """Join the job this process belongs to; returns a line saying what was done."""
+def agrees_on_stops() -> bool:
+    """Whether this process is one of several whose stop step is agreed through JAX's preemption service
+    (`multihost_utils.reached_preemption_sync_point`): its notifier takes SIGTERM, from the joining of the job on."""
     import jax
 
+    return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               heartbeat_timeout: int = 60, timeout: int = 300, preemption_notices: bool = True) -> str:
+    """Join the job this process belongs to; returns a line saying what was done.
+
+    Joining a job of several processes gives SIGTERM to JAX's preemption notifier, which only records it. With
+    `preemption_notices` (the default, as JAX has it) it keeps it: the Trainer's steps ask it when to stop
+    (`agrees_on_stops`). Without, SIGTERM goes back to the handler this program had, so that a command that is no
+    training loop (`filter`) stops as it does alone; under the notifier it ran on to its end."""
+    import jax
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        return _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeout)
+    finally:
+        if (not preemption_notices and before is not None and jax.distributed.is_initialized()
+                and threading.current_thread() is threading.main_thread()):
+            signal.signal(signal.SIGTERM, before)
+
+
+def _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeout) -> str:
     coordinator = coordinator or os.environ.get(ENV["coordinator"])
     num_processes = num_processes if num_processes is not None else _env_int("num_processes")
     process_id = process_id if process_id is not None else _env_int("process_id")

@@ -334,11 +334,27 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
         """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
-        one stops at once."""
+        one stops at once. In a job of several processes (`distributed.agrees_on_stops`) only SIGINT comes here: it is
+        sent on as SIGTERM, JAX's preemption notice, so that every process stops after the same step."""
         self._stop_signal = signal.Signals(signum)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
             raise _StoppedWaiting
+        if distributed.agrees_on_stops():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _stopping(self, step: int) -> bool:
+        """Whether the run stops after `step` (counted from 1): a stop signal came to this process; in a job of
+        several processes, all of them have reached the step JAX's preemption service agreed on after a SIGTERM to any
+        of them (one process stopping alone left the others in a collective with it: a hang, then a Gloo error)."""
+        if not distributed.agrees_on_stops():
+            return self._stop_signal is not None
+        from jax.experimental import multihost_utils
+
+        if not multihost_utils.reached_preemption_sync_point(step):
+            return False
+        self._stop_signal = self._stop_signal or signal.SIGTERM
+        return True
 
     def _stopped_waiting(self) -> str:
         """Save the state of the last finished step where it was not saved yet, with the streams' positions before
@@ -371,7 +387,9 @@ class Trainer:
           TrainingError: stopped by `max_bad_steps` non-finite updates in a row.
         """
         cfg = self.cfg
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # SIGTERM stays with JAX's preemption notifier where the processes agree on the step to stop at
+        caught = (signal.SIGINT,) if distributed.agrees_on_stops() else (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in caught}
         start_step = int(self.state["step"])
         bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)
         bad_in_a_row, skipped = 0, 0
@@ -422,7 +440,7 @@ class Trainer:
                         self.log.write(evaluation)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self.save()
-                if self._stop_signal is not None:
+                if self._stopping(step + 1):
                     self.save()
                     raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
                                           f"{step + 1} saved, {self.continue_hint}", self._stop_signal)

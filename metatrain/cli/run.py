@@ -146,7 +146,9 @@ def cmd_filter(args) -> int:
     from metatrain import distributed
     from metatrain.filtering import filter_corpus
 
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+    # SIGTERM stays with this program: filter stops as it does alone (each process keeps the scores it has)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
+                           preemption_notices=False)
     m = filter_corpus(args.run, args.data, args.out, args.drop, args.method, args.batch, args.seed, args.cdf_sample,
                       args.score_batch, args.max_rows)
     import jax

@@ -116,6 +116,54 @@ def test_a_dead_process_stops_the_others(tmp_path):
         assert waited < 120
 
 
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """SIGTERM to one process of a job (a scheduler evicting one worker): it stopped alone after its step, its
+    checkpoint save a collective the others never joined: process 0 hung, process 1 died of "checkpoint ? could not
+    be written ... Gloo AllGather failed" (and was told to make room on the disk), nothing saved. JAX's preemption
+    service now agrees on the step: both save it and stop, 143. Ctrl-C to one process goes the same way (130 there)."""
+    workdir = tmp_path / "run"
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    cheap = ["task=learned_lr", "baseline=none"]  # the cheapest program to compile (see the test below)
+    with two_processes(["-m", "metatrain.cli", "train", *MULTI, *cheap, "mesh.fsdp=1", f"workdir={workdir}",
+                        "steps=100000", "checkpoint_every=0"]) as procs:
+        while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+            assert time.time() < deadline, "no step within 300 s"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    stops = [[line for line in err.splitlines() if "stopped by SIGTERM" in line] for err in errs]
+    assert [p.returncode for p in procs] == [143, 143], errs[0][-3000:] + errs[1][-3000:]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+    step = int(stops[0][0].split(" at step ")[1].split(";")[0])
+    assert stops[0][0] == (f"metatrain train: stopped by SIGTERM at step {step}; checkpoint {step} saved, run again "
+                           "with --resume to continue")
+    assert sorted(os.listdir(workdir / "checkpoints")) == [str(step)]
+
+
+SIGNAL_AFTER_JOINING = """
+import os, signal, sys, time
+from metatrain import distributed
+
+caught = []
+signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+distributed.initialize(preemption_notices=sys.argv[1] == "notices")
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("SIGTERM " + ("caught" if caught else "not caught"), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("notices, said", [("none", "caught"), ("notices", "not caught")])
+def test_joining_a_job_keeps_sigterm_with_the_program_unless_it_asks_for_preemption_notices(notices, said):
+    """Joining a job gave SIGTERM to JAX's preemption notifier, which only records it: a two-process `filter` ran on
+    to its end after SIGTERM. Only the Trainer, which asks the notifier when to stop, leaves it there."""
+    with two_processes(["-c", SIGNAL_AFTER_JOINING, notices]) as procs:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert all(f"SIGTERM {said}" in err.splitlines() for err in errs), errs
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--processes", "0"], "argument --processes: must be >= 1, got 0"),
     (["--devices", "two"], "argument --devices: 'two' is not a whole number"),
