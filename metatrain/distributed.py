@@ -50,12 +50,16 @@ def _detected() -> str | None:
     return None
 
 
+_notices: list[bool] = [True]  # whether JAX's preemption notifier kept SIGTERM when this process joined its job
+
+
 def agrees_on_stops() -> bool:
     """Whether this process is one of several whose stop step is agreed through JAX's preemption service
-    (`multihost_utils.reached_preemption_sync_point`): its notifier takes SIGTERM, from the joining of the job on."""
+    (`multihost_utils.reached_preemption_sync_point`): its notifier takes SIGTERM, from the joining of the job on
+    (unless `initialize` gave SIGTERM back to the program)."""
     import jax
 
-    return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+    return _notices[0] and jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
@@ -75,6 +79,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if (not preemption_notices and before is not None and jax.distributed.is_initialized()
                 and threading.current_thread() is threading.main_thread()):
             signal.signal(signal.SIGTERM, before)
+            _notices[0] = False
 
 
 def _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeout) -> str:

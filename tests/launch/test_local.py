@@ -150,14 +150,16 @@ signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
 distributed.initialize(preemption_notices=sys.argv[1] == "notices")
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.5)
-print("SIGTERM " + ("caught" if caught else "not caught"), file=sys.stderr)
+print("SIGTERM " + ("caught" if caught else "not caught"), "agreed stops" * distributed.agrees_on_stops(),
+      file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("notices, said", [("none", "caught"), ("notices", "not caught")])
+@pytest.mark.parametrize("notices, said", [("none", "caught "), ("notices", "not caught agreed stops")])
 def test_joining_a_job_keeps_sigterm_with_the_program_unless_it_asks_for_preemption_notices(notices, said):
-    """Joining a job gave SIGTERM to JAX's preemption notifier, which only records it: a two-process `filter` ran on
-    to its end after SIGTERM. Only the Trainer, which asks the notifier when to stop, leaves it there."""
+    """Joining a job gives SIGTERM to JAX's preemption notifier, which only records it: a two-process `filter` ran on
+    to its end after SIGTERM. `filter` takes it back; the Trainer leaves it there and asks the notifier when to stop
+    (`agrees_on_stops`), which it must not do where the notifier never hears SIGTERM."""
     with two_processes(["-c", SIGNAL_AFTER_JOINING, notices]) as procs:
         errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
