@@ -128,6 +128,7 @@ class Trainer:
         self.checkpoints = Checkpoints(cfg.workdir, cfg.keep_checkpoints)
         self.log = None
         self._stop_signal: signal.Signals | None = None
+        self._agreed_stops = False  # whether the processes agree on the step to stop at (`train` decides)
         self.continue_hint = "run again with --resume to continue"  # after a stop by signal; callers may say theirs
 
     def _check_evaluation_fits(self) -> None:
@@ -334,20 +335,20 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
         """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
-        one stops at once. In a job of several processes (`distributed.agrees_on_stops`) only SIGINT comes here: it is
+        one stops at once. In a job of several processes (`_agreed_stops`) only SIGINT comes here: it is
         sent on as SIGTERM, JAX's preemption notice, so that every process stops after the same step."""
         self._stop_signal = signal.Signals(signum)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
             raise _StoppedWaiting
-        if distributed.agrees_on_stops():
+        if self._agreed_stops:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _stopping(self, step: int) -> bool:
         """Whether the run stops after `step` (counted from 1): a stop signal came to this process; in a job of
         several processes, all of them have reached the step JAX's preemption service agreed on after a SIGTERM to any
         of them (one process stopping alone left the others in a collective with it: a hang, then a Gloo error)."""
-        if not distributed.agrees_on_stops():
+        if not self._agreed_stops:
             return self._stop_signal is not None
         from jax.experimental import multihost_utils
 
@@ -388,7 +389,8 @@ class Trainer:
         """
         cfg = self.cfg
         # SIGTERM stays with JAX's preemption notifier where the processes agree on the step to stop at
-        caught = (signal.SIGINT,) if distributed.agrees_on_stops() else (signal.SIGTERM, signal.SIGINT)
+        self._agreed_stops = distributed.agrees_on_stops()  # once: `_stopping` asks after every step
+        caught = (signal.SIGINT,) if self._agreed_stops else (signal.SIGTERM, signal.SIGINT)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in caught}
         start_step = int(self.state["step"])
         bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)
