@@ -5,7 +5,8 @@ user's input (`MetatrainError`: a config field, a task, a data source, a work di
 line naming what to change, with exit code 2, and so are XLA running out of memory while a program runs and a
 write that a full disk refused; anything else keeps its traceback. SIGTERM (a scheduler,
 `timeout`, `docker stop`) stops a command as Ctrl-C does: what it was writing is cleaned up, and it exits 128 +
-the signal's number.
+the signal's number. An output whose reader is gone (`| head`, a dropped ssh connection) is discarded from then on,
+never a reason to fail (`streams`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-from metatrain import argtypes, collector, platforms
+from metatrain import argtypes, collector, platforms, streams
 from metatrain.errors import MetatrainError, RenamedWarning, StoppedBySignal
 
 with collector.paused():  # importing the commands' libraries (JAX, Flax, Orbax, ...) leaves nothing to collect
@@ -190,7 +191,7 @@ def _renames_said():
 
 
 def main(argv=None) -> int:
-    with _renames_said() as prefix:
+    with _renames_said() as prefix, streams.kept(prefix):
         return _main(argv, prefix)
 
 

@@ -1,8 +1,10 @@
 """The command line: its signal handling where Python drops the exception a signal raises; its help page."""
 
 import argparse
+import io
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -236,3 +238,29 @@ def _command_paths(parser, path=()):
             for name, command in action.choices.items():
                 yield [*path, name]
                 yield from _command_paths(command, [*path, name])
+
+
+def test_an_output_whose_reader_is_gone_is_discarded_and_said_once(monkeypatch):
+    """`metatrain ... | head`, or a `tee` stopped by the same Ctrl-C: the next write raised BrokenPipeError wherever
+    it was (a progress bar in a run's clean-up) and ended the command with a traceback. Its stdout is now /dev/null
+    from then on (the descriptor too, which C code writes to), the command goes on, and stderr says so once."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    out, err = open(write, "w"), io.StringIO()  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    finished = []
+
+    def command(args):
+        print("x" * 100_000)  # more than a pipe holds: written at once
+        print("more", flush=True)
+        os.write(write, b"from C\n")  # the descriptor goes to /dev/null too
+        finished.append(True)
+        return 0
+
+    _commands(monkeypatch, talk=command)
+    assert cli.main(["talk"]) == 0 and finished
+    assert err.getvalue() == ("metatrain talk: warning: standard output has no reader any more (Broken pipe): the "
+                              "rest of it is discarded\n")
+    assert sys.stdout is out
+    out.close()

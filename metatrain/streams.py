@@ -1,0 +1,87 @@
+"""Standard output and error that outlive their reader.
+
+A pipe whose reader ended (`| head`, a `tee` stopped by the same Ctrl-C), a terminal that hung up or a dropped ssh
+connection make Python raise at the next write (`BrokenPipeError`, or EIO on a terminal), wherever that write is: in
+a progress bar while a run saves its checkpoint, it ended the run and lost the save. Inside `kept`, such a stream is
+pointed at /dev/null instead and the command goes on: to its end, or to the stop it was asked for (Ctrl-C, SIGTERM,
+SIGHUP save a run's checkpoint and stop it). A lost standard output is said on standard error, while that one has a
+reader (a lost standard error is said nowhere: standard output may be a command's product).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import sys
+from collections.abc import Iterator
+
+GONE = (errno.EPIPE, errno.EIO)  # the reader of a pipe ended; a terminal hung up
+
+
+class _Kept:
+    """A text stream whose writes and flushes never fail for want of a reader: see the module's docstring."""
+
+    def __init__(self, stream, name: str, warn=None):
+        self._stream, self._name, self._warn = stream, name, warn
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._gone(e)
+            return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._gone(e)
+
+    def _gone(self, error: OSError) -> None:
+        if error.errno not in GONE:
+            raise error
+        try:  # the descriptor itself: what is still buffered, and what C code (XLA's logs) writes there, go too
+            fd = self._stream.fileno()
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
+            with contextlib.suppress(OSError):
+                self._stream.flush()
+        except (OSError, ValueError, io.UnsupportedOperation):  # no descriptor of its own
+            self._stream = open(os.devnull, "w")  # noqa: SIM115 — kept for the rest of the process
+        if self._warn:
+            self._warn(f"{self._name} has no reader any more ({os.strerror(error.errno)}): the rest of it is discarded")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def kept(prefix: list[str]) -> Iterator[None]:
+    """Inside, `sys.stdout` and `sys.stderr` outlive their readers (see the module's docstring).
+
+    Args:
+      prefix: a one-item list, the start of the warning line (`metatrain train`), read when it is said.
+    """
+    def warn(message: str) -> None:
+        sys.stderr.write(f"{prefix[0]}: warning: {message}\n")
+        sys.stderr.flush()
+
+    before = sys.stdout, sys.stderr
+    sys.stdout = _Kept(sys.stdout, "standard output", warn)
+    sys.stderr = _Kept(sys.stderr, "standard error")
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):  # what is still buffered: at the interpreter's exit it could fail
+            if isinstance(stream, _Kept):
+                stream.flush()
+        sys.stdout, sys.stderr = before
