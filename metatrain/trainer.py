@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from metatrain import aot, auto, distributed, hostmem, paths, population, progress
+from metatrain import aot, auto, distributed, hostmem, paths, population, progress, stops
 from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
@@ -334,9 +334,9 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
-        """SIGTERM / SIGINT: save at the end of this step and stop; while waiting for data, stop at once. A second
-        one stops at once. In a job of several processes (`_agreed_stops`) only SIGINT comes here: it is
-        sent on as SIGTERM, JAX's preemption notice, so that every process stops after the same step."""
+        """SIGTERM / SIGINT / SIGHUP: save at the end of this step and stop; while waiting for data, stop at once. A
+        second one stops at once. In a job of several processes (`_agreed_stops`) only SIGINT and SIGHUP come here:
+        they are sent on as SIGTERM, JAX's preemption notice, so that every process stops after the same step."""
         self._stop_signal = signal.Signals(signum)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         if getattr(self, "_waiting", False):  # no step to finish: `train` saves the last one's state and stops
@@ -390,7 +390,7 @@ class Trainer:
         cfg = self.cfg
         # SIGTERM stays with JAX's preemption notifier where the processes agree on the step to stop at
         self._agreed_stops = distributed.agrees_on_stops()  # once: `_stopping` asks after every step
-        caught = (signal.SIGINT,) if self._agreed_stops else (signal.SIGTERM, signal.SIGINT)
+        caught = [s for s in stops.signals() if not (self._agreed_stops and s == signal.SIGTERM)]
         previous = {sig: signal.signal(sig, self._on_signal) for sig in caught}
         start_step = int(self.state["step"])
         bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)

@@ -4,8 +4,8 @@ Each command group registers its own subcommands (`run`, `check`, `bench`, `data
 user's input (`MetatrainError`: a config field, a task, a data source, a work dir) is printed as one
 line naming what to change, with exit code 2, and so are XLA running out of memory while a program runs and a
 write that a full disk refused; anything else keeps its traceback. SIGTERM (a scheduler,
-`timeout`, `docker stop`) stops a command as Ctrl-C does: what it was writing is cleaned up, and it exits 128 +
-the signal's number. An output whose reader is gone (`| head`, a dropped ssh connection) is discarded from then on,
+`timeout`, `docker stop`) and SIGHUP (a terminal closed, unless under `nohup`) stop a command as Ctrl-C does: what it
+was writing is cleaned up, and it exits 128 + the signal's number. An output whose reader is gone (`| head`, a dropped ssh connection) is discarded from then on,
 never a reason to fail (`streams`).
 """
 
@@ -227,6 +227,8 @@ def _main(argv, prefix: list[str]) -> int:
                     signal.SIGALRM: signal.signal(signal.SIGALRM, _again)}
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
+        if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # a terminal closed; `nohup` leaves it ignored
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _stop)
         unraisable = sys.unraisablehook
         sys.unraisablehook = ours = _raise_dropped_stops_again(unraisable)
     try:

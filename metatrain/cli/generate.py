@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from metatrain import argtypes
+from metatrain import argtypes, stops
 from metatrain.cli import common
 
 
@@ -136,9 +136,9 @@ def cmd_generate(args) -> int:
     eos = list(tok.eos_ids)
     out, stopped = [[] for _ in ids], []
     screen = _Screen(args.stop) if not args.prompts and sys.stdout.isatty() else None  # one prompt, on a terminal
-    # Ctrl-C / SIGTERM are noted and acted on between two compiled calls (a KeyboardInterrupt raised inside JAX's
-    # dispatch can leave a computation in flight as the interpreter exits)
-    noted = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Ctrl-C / SIGTERM / SIGHUP are noted and acted on between two compiled calls (a KeyboardInterrupt raised inside
+    # JAX's dispatch can leave a computation in flight as the interpreter exits)
+    noted = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in stops.signals()}
     try:
         for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
                                     args.top_p, args.seed, eos=eos):

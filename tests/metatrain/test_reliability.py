@@ -418,13 +418,15 @@ def test_resuming_with_another_configuration_or_too_few_steps(shared_run, tmp_pa
     assert (workdir / "config.yaml").read_text() == saved  # untouched
 
 
-# ---- 6b, 7. SIGTERM and SIGINT save and stop cleanly, also right after a periodic save ------------------
+# ---- 6b, 7. SIGTERM, SIGINT and SIGHUP save and stop cleanly, also right after a periodic save -----------
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, readers_gone", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+@pytest.mark.parametrize("sig, readers_gone", [(signal.SIGTERM, False), (signal.SIGHUP, False),
+                                               (signal.SIGINT, True)])
 def test_a_signal_saves_and_stops_with_one_line(tmp_path, sig, readers_gone):
     """`readers_gone`: the pipes of its stdout and stderr have no reader any more when the signal comes (Ctrl-C to
     `metatrain train ... 2>&1 | tee log` stops tee too; an ssh connection drops): the first write after it, the
-    progress bar's in the clean-up, raised BrokenPipeError, and the checkpoint being saved was left a tmp dir."""
+    progress bar's in the clean-up, raised BrokenPipeError, and the checkpoint being saved was left a tmp dir.
+    SIGHUP (a terminal closed) killed the run without a save."""
     workdir = tmp_path / "run"
     proc = metatrain("train", *TINY, f"workdir={workdir}", "steps=100000", "checkpoint_every=1", background=True)
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
