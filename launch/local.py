@@ -5,14 +5,16 @@ multi-host code path (jax.distributed, per-process data shards, Orbax from every
 
 Process 0's output passes through; the others' lines are prefixed `[process i]`. When a process
 fails, the launcher stops the rest (SIGTERM, then SIGKILL after --grace seconds) and exits with the
-failed process's code, so a crash never leaves the job hanging. SIGTERM or Ctrl-C to the launcher is
-passed on to every process (a run saves its checkpoint and stops), then it exits 128 + the signal; a
-second one kills them.
+failed process's code, so a crash never leaves the job hanging. SIGTERM, Ctrl-C or SIGHUP (a terminal
+closed) to the launcher, or to one process (which then exits 128 + the signal), is passed on to every
+process (a run saves its checkpoint and stops), then the launcher exits 128 + the signal; a second one
+kills them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -21,8 +23,11 @@ import sys
 import threading
 import time
 
+from metatrain import stops, streams
 from metatrain.argtypes import number, positive_int
 from metatrain.entry import hugepage_env
+
+STOPS = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # what a stopped process exits 128 + with
 
 
 def free_port() -> int:
@@ -32,9 +37,17 @@ def free_port() -> int:
 
 
 def _relay(stream, prefix: str, out):
+    """A process's lines to `out`, prefixed, until it closes them (a write that fails still drains them: a full pipe
+    would block the process)."""
     for line in iter(stream.readline, b""):
-        out.write(prefix + line.decode(errors="replace"))
-        out.flush()
+        with contextlib.suppress(OSError, ValueError):
+            out.write(prefix + line.decode(errors="replace"))
+            out.flush()
+
+
+def _stopped_by(code: int | None) -> int | None:
+    """The stop signal a process's exit code says it was stopped by (it exits 128 + the signal), else None."""
+    return code - 128 if code is not None and code - 128 in STOPS else None
 
 
 def launch(command: list[str], processes: int, devices: int, port: int = 0, grace: float = 10.0) -> int:
@@ -44,13 +57,14 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
     port = port or free_port()
     procs, stop = [], []
 
-    def on_signal(signum, _frame):
+    def on_signal(signum, _frame, by: str = ""):
         again = bool(stop)
         stop.append(signum)
         running = [p for p in procs if p.poll() is None]
         if running:
             name = signal.Signals(signum).name
-            print(f"launch.local: {name}{' again: killing' if again else ': passing it on to'} the processes",
+            to = "the other processes" if by else "the processes"
+            print(f"launch.local: {by or name}{' again: killing' if again else ': passing it on to'} {to}",
                   file=sys.stderr)
         for p in running:
             if again:
@@ -60,7 +74,7 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
 
     previous = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, on_signal) for s in stops.signals()}
     try:
         for i in range(processes):
             if stop:
@@ -85,7 +99,13 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
             if not stop:
                 failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
                 if failed is not None:
-                    break
+                    signum = _stopped_by(procs[failed].returncode)
+                    if signum is None:
+                        break
+                    # a signal to that process alone (a scheduler's, a user's `kill`): the job stops as if the
+                    # launcher had it (a failure's SIGTERM and SIGKILL could cut the others' saves)
+                    on_signal(signum, None, by=f"process {failed} was stopped by {signal.Signals(signum).name}")
+                    failed = None
             time.sleep(0.2)
         if stop:
             return 128 + stop[0]
@@ -93,6 +113,10 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
             failed = next((i for i, p in enumerate(procs) if p.returncode), None)
             if failed is None:
                 return 0
+            signum = _stopped_by(procs[failed].returncode)
+            if signum is not None:  # stopped by a signal to it alone, as the others were (or they had finished)
+                print(f"launch.local: process {failed} was stopped by {signal.Signals(signum).name}", file=sys.stderr)
+                return 128 + signum
         code = procs[failed].returncode
         print(f"launch.local: process {failed} exited with code {code}; stopping the other processes",
               file=sys.stderr)
@@ -132,7 +156,8 @@ def main(argv=None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the metatrain command after --, e.g. -- train steps=10")
-    return launch(command, args.processes, args.devices, args.port, args.grace)
+    with streams.kept(["launch.local"]):  # its output may lose its reader (a terminal closed): the job goes on
+        return launch(command, args.processes, args.devices, args.port, args.grace)
 
 
 if __name__ == "__main__":

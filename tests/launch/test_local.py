@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -183,11 +184,16 @@ def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
     assert e.value.code == 2 and last.startswith(f"python -m metatrain.launch.local: error: {says}"), err
 
 
-def test_a_signal_to_the_launcher_stops_every_process_as_it_stops_one(tmp_path):
-    """SIGTERM (a scheduler, `timeout`, `docker stop`) killed the launcher alone: its processes ran on, orphans,
-    a run writing checkpoints nobody waited for. It is passed on to each (they stop as a command stops alone) and
-    the launcher exits 128 + 15 once they have. The command here reads a large corpus; the signal is sent once both
-    processes have it open (inside the command, their own handlers set)."""
+@pytest.mark.parametrize("sig, to", [(signal.SIGTERM, "launcher"), (signal.SIGHUP, "launcher"),
+                                     (signal.SIGTERM, "process 1")])
+def test_a_signal_to_the_launcher_stops_every_process_as_it_stops_one(tmp_path, sig, to):
+    """SIGTERM (a scheduler, `timeout`, `docker stop`) or SIGHUP (its terminal closed) killed the launcher alone: its
+    processes ran on, orphans, a run writing checkpoints nobody waited for. It is passed on to each (they stop as a
+    command stops alone) and the launcher exits 128 + the signal once they have. A signal to one process alone (it
+    exits 128 + the signal) goes the same way: it was taken for a failure ("exited with code 143") and the others
+    were sent SIGTERM, then SIGKILL after --grace seconds, which could cut a run's save. The command here reads a
+    large corpus; the signal is sent once both processes have it open (inside the command, their own handlers
+    set)."""
     corpus = tmp_path / "corpus.jsonl"
     line = "".join(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(10_000))
     corpus.write_text(line * 30)
@@ -205,15 +211,22 @@ def test_a_signal_to_the_launcher_stops_every_process_as_it_stops_one(tmp_path):
             assert launcher.poll() is None, launcher.stderr.read()[-3000:]
             assert time.time() < deadline, "the two processes never opened the corpus"
             time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)
+        if to == "launcher":
+            launcher.send_signal(sig)
+        else:
+            os.kill(next(pid for pid in reading() if b"METATRAIN_PROCESS_ID=1\0" in
+                         Path(f"/proc/{pid}/environ").read_bytes()), sig)
         err = launcher.communicate(timeout=60)[1]
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "launch.local: SIGTERM: passing it on to the processes" in err, err[-3000:]
-    assert "[process 1] metatrain data stats: stopped by SIGTERM" in err, err[-3000:]
-    assert "\nmetatrain data stats: stopped by SIGTERM" in err, err[-3000:]
+    assert launcher.returncode == 128 + sig, err[-3000:]
+    said = (f"{sig.name}: passing it on to the processes" if to == "launcher" else
+            f"process 1 was stopped by {sig.name}: passing it on to the other processes")
+    assert f"launch.local: {said}" in err, err[-3000:]
+    assert f"[process 1] metatrain data stats: stopped by {sig.name}" in err, err[-3000:]
+    assert f"\nmetatrain data stats: stopped by {sig.name}" in err, err[-3000:]
+    assert "exited with code" not in err, err[-3000:]
     left = subprocess.run(["pgrep", "-f", str(corpus)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left running: {left}"
 
