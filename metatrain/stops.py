@@ -1,6 +1,6 @@
 """The signals that stop a command as Ctrl-C does, after it saves or cleans up what it was writing: SIGINT, SIGTERM
-(a scheduler, `timeout`, `docker stop`) and SIGHUP (a terminal closed, an ssh connection dropped), unless the program
-was started to ignore SIGHUP (`nohup`): then it goes on."""
+(a scheduler, `timeout`, `docker stop`) and SIGHUP (a terminal closed, an ssh connection dropped). Where the program
+was started to ignore SIGHUP (`nohup`) or SIGINT (a shell script's background job), it goes on ignoring it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,6 @@ import signal
 
 
 def signals() -> tuple[signal.Signals, ...]:
-    """The stop signals of this process now: SIGINT, SIGTERM, and SIGHUP where it is not ignored."""
-    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
-    return (signal.SIGINT, signal.SIGTERM, *hup)
+    """The stop signals of this process now: SIGTERM, and SIGINT and SIGHUP where they are not ignored."""
+    kept = tuple(s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN)
+    return (signal.SIGTERM, *kept)

@@ -3,10 +3,10 @@
 Each command group registers its own subcommands (`run`, `check`, `bench`, `data`). A problem with the
 user's input (`MetatrainError`: a config field, a task, a data source, a work dir) is printed as one
 line naming what to change, with exit code 2, and so are XLA running out of memory while a program runs and a
-write that a full disk refused; anything else keeps its traceback. SIGTERM (a scheduler,
-`timeout`, `docker stop`) and SIGHUP (a terminal closed, unless under `nohup`) stop a command as Ctrl-C does: what it
-was writing is cleaned up, and it exits 128 + the signal's number. An output whose reader is gone (`| head`, a dropped ssh connection) is discarded from then on,
-never a reason to fail (`streams`).
+write that a full disk refused; anything else keeps its traceback. SIGTERM (a scheduler, `timeout`, `docker
+stop`) and SIGHUP (a terminal closed, unless under `nohup`) stop a command as Ctrl-C does (`stops`): what it was
+writing is cleaned up, and it exits 128 + the signal's number. An output whose reader is gone (`| head`, a dropped
+ssh connection) is discarded from then on, never a reason to fail (`streams`).
 """
 
 from __future__ import annotations
