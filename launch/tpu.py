@@ -14,7 +14,9 @@ config's keys, types and values), before anything is created or shipped. `--queu
 `gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits until it
 is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path (or an absolute
 path on a file system every worker mounts; a relative one is refused), and data.data_dir may be one: checkpoints
-survive the VM, which is what makes `--resume` after a preemption work.
+survive the VM, which is what makes `--resume` after a preemption work. Ctrl-C, SIGTERM or SIGHUP to the launcher
+while the run runs stops the run on every worker at one step, which each saves (a second one kills it); see
+`Runner`.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from metatrain import stops, streams
 from metatrain.argtypes import nonnegative_int, refuse_empty
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE = "metatrain-src.tar.gz"
+PID_FILE = "run.pid"  # in --remote-dir on each worker: the running metatrain's pid
 SKIP = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "build", "dist"}
 
 
@@ -150,20 +156,89 @@ def install(args) -> list[str]:
 def run(args, resume: bool) -> list[str]:
     d = args.remote_dir
     metatrain = ["metatrain", *args.command, f"workdir={args.workdir}"] + (["--resume"] if resume else [])
-    return ssh_all(args, f"cd {d}/code && . .venv/bin/activate && PYTHONPATH={d}/user:{d}/code "
-                         f"METATRAIN_DISTRIBUTED=auto " + shlex.join(metatrain))
+    # the shell's pid is the run's (exec), written where `signal_run` finds it
+    return ssh_all(args, f"cd {d}/code && . .venv/bin/activate && echo $$ > {d}/{PID_FILE} && "
+                         f"export PYTHONPATH={d}/user:{d}/code METATRAIN_DISTRIBUTED=auto && exec "
+                         + shlex.join(metatrain))
+
+
+def signal_run(args, signum: int) -> list[str]:
+    """The command that sends `signum` to the run on every worker (the pid `run` wrote, if that process is still
+    a metatrain one)."""
+    f = f"{args.remote_dir}/{PID_FILE}"
+    return ssh_all(args, f"pid=$(cat {f} 2>/dev/null) && grep -qa metatrain /proc/$pid/cmdline 2>/dev/null && "
+                         f"kill -{signal.Signals(signum).name.removeprefix('SIG')} $pid; true")
+
+
+class Stopped(Exception):
+    """The launcher got a stop signal (Ctrl-C, SIGTERM, SIGHUP) while a gcloud command ran, or between two."""
+
+    def __init__(self, signum: int, during: list[str] | None, the_run: bool = False):
+        super().__init__()
+        self.signum, self.during, self.the_run = signum, during, the_run
 
 
 class Runner:
-    def __init__(self, dry_run: bool):
-        self.dry_run = dry_run
+    """Runs the launcher's gcloud commands, each printed first (`--dry-run`: only printed).
 
-    def __call__(self, cmd: list[str], capture: bool = False) -> tuple[int, str]:
+    A stop signal to the launcher (Ctrl-C, SIGTERM, SIGHUP) stops the command that runs (`Stopped` is raised). The
+    run's own command is different: it runs in a process group of its own, so that a terminal's Ctrl-C leaves its
+    ssh connections up, and the first signal is passed on to the run on every worker (`signal_run`: SIGTERM, which
+    each saves its checkpoint for and stops at the same step), whose lines keep streaming until it ends; a second
+    one kills it there and here."""
+
+    def __init__(self, args):
+        self.args, self.dry_run, self.stops = args, args.dry_run, []
+
+    def on_signal(self, signum, _frame):
+        self.stops.append(signum)
+
+    def __call__(self, cmd: list[str], capture: bool = False, the_run: bool = False) -> tuple[int, str]:
         print("+ " + shlex.join(cmd), flush=True)
         if self.dry_run:
             return 0, ""
-        res = subprocess.run(cmd, text=True, capture_output=capture)  # without capture the logs stream
-        return res.returncode, (res.stdout or "").strip()
+        if self.stops:
+            raise Stopped(self.stops[0], None)
+        # the run reads nothing: in a group of its own it may not read the terminal (it would be stopped)
+        p = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE if capture else None,
+                             stdin=subprocess.DEVNULL if the_run else None, process_group=0 if the_run else None)
+        acted = 0
+        try:
+            while p.poll() is None:
+                if len(self.stops) > acted:
+                    acted = len(self.stops)
+                    if not the_run:
+                        p.terminate()  # a terminal's Ctrl-C reached it too; a SIGTERM to the launcher alone did not
+                        p.wait()
+                        raise Stopped(self.stops[0], cmd)
+                    self._stop_run(p, again=acted > 1)
+                time.sleep(0.2)
+        finally:
+            if p.poll() is None:  # an error here: nothing runs on without the launcher
+                p.kill()
+        out = p.stdout.read() if capture else ""
+        if the_run and self.stops:
+            raise Stopped(self.stops[0], cmd, the_run=True)
+        return p.returncode, (out or "").strip()
+
+    def sleep(self, seconds: float) -> None:
+        """`time.sleep`, cut short by a stop signal (`Stopped`)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stops:
+                raise Stopped(self.stops[0], None)
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+    def _stop_run(self, p: subprocess.Popen, again: bool) -> None:
+        name = signal.Signals(self.stops[-1]).name
+        if not again:
+            print(f"launch.tpu: {name}: passing SIGTERM on to the run on every worker (each saves its checkpoint at "
+                  f"the step it is at and stops); again to kill it", file=sys.stderr, flush=True)
+            subprocess.run(signal_run(self.args, signal.SIGTERM), stdin=subprocess.DEVNULL, capture_output=True)
+            return
+        print(f"launch.tpu: {name} again: killing the run on every worker", file=sys.stderr, flush=True)
+        subprocess.run(signal_run(self.args, signal.SIGKILL), stdin=subprocess.DEVNULL, capture_output=True)
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def bring_up(args, sh: Runner) -> int:
@@ -181,11 +256,33 @@ def bring_up(args, sh: Runner) -> int:
             return code or 1
         if status == "ACTIVE":
             return 0
-        time.sleep(30)
+        sh.sleep(30)
 
 
 def launch(args) -> int:
-    sh = Runner(args.dry_run)
+    """Bring up, ship, install and run (see the module's docstring); returns the exit code: the run's, or 128 + the
+    signal that stopped the launcher."""
+    sh = Runner(args)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        previous = {s: signal.signal(s, sh.on_signal) for s in stops.signals()}
+    try:
+        return _launch(args, sh)
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        if e.the_run:
+            print(f"launch.tpu: stopped by {name}; the same command with --resume continues the run from its last "
+                  f"checkpoint in {args.workdir}", file=sys.stderr)
+        else:
+            what = f" while `{shlex.join(e.during[:5])} ...` ran" if e.during else ""
+            print(f"launch.tpu: stopped by {name}{what}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _launch(args, sh: Runner) -> int:
     items, lines = shipment(args)
     for line in lines:
         print(line, flush=True)
@@ -200,7 +297,7 @@ def launch(args) -> int:
             if code:
                 print(f"launch.tpu: `{shlex.join(cmd[:5])} ...` failed with code {code}", file=sys.stderr)
                 return code
-        code, _ = sh(run(args, resume=args.resume))
+        code, _ = sh(run(args, resume=args.resume), the_run=True)
         if args.dry_run:
             print(f"# if the run fails and `{shlex.join(state(args))}` prints PREEMPTED or TERMINATED (up to "
                   f"--max-restarts {args.max_restarts} times):")
@@ -226,7 +323,7 @@ def launch(args) -> int:
                 return code
             for cmd in (copy(args, archive), install(args)):
                 sh(cmd)
-            code, _ = sh(run(args, resume=True))
+            code, _ = sh(run(args, resume=True), the_run=True)
     return code
 
 
@@ -318,7 +415,8 @@ def main(argv=None) -> int:
                          f"gs://BUCKET/runs/NAME, or an absolute path on a file system every worker mounts")
         print(f"launch.tpu: --workdir {args.workdir} is not a gs:// path: every worker must see the same folder (a "
               f"file system they all mount) and it must outlive a preempted VM for --resume", file=sys.stderr)
-    return launch(args)
+    with streams.kept(["launch.tpu"]):  # its output may lose its reader (a terminal closed): the job goes on
+        return launch(args)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,19 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
-from helpers import env
+from helpers import TINY, checkpoints, env
 
 from metatrain import aot, cli
-from metatrain.launch import tpu
+from metatrain.launch import local, tpu
+
+FAKE_BIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fakes", "bin")  # a stand-in `gcloud`
 
 BASE = ["--name", "mt", "--zone", "us-east5-a", "--project", "p1", "--accelerator-type", "v5p-16",
         "--workdir", "gs://bkt/runs/mt", "--dry-run"]
@@ -63,8 +67,9 @@ def test_dry_run_ships_the_working_tree_and_the_task_module(checkout, capsys):
     assert "--worker=all" in scp and "--worker=all" in install and "--worker=all" in train
     assert any("pip install -q -e '.[tpu]'" in a for a in install)
     command = next(a for a in train if a.startswith("--command="))
-    assert "PYTHONPATH=~/metatrain/user:~/metatrain/code METATRAIN_DISTRIBUTED=auto metatrain train " \
-           "task=mytasks:Mine steps=2000 workdir=gs://bkt/runs/mt" in command
+    assert "echo $$ > ~/metatrain/run.pid && export PYTHONPATH=~/metatrain/user:~/metatrain/code " \
+           "METATRAIN_DISTRIBUTED=auto && exec metatrain train task=mytasks:Mine steps=2000 workdir=gs://bkt/runs/mt" \
+           in command
     restart = [line for line in out.splitlines() if line.startswith("#   ")]
     assert "tpu-vm delete mt" in restart[0] and "tpu-vm create mt" in restart[1]
     assert "--resume" in restart[-1] and restart[-1].rstrip().endswith("--zone=us-east5-a --project=p1")
@@ -278,3 +283,62 @@ def test_what_gcloud_or_the_workers_would_refuse_is_one_line_before_anything_run
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.splitlines()[-1].startswith(
         f"python -m metatrain.launch.tpu: error: {says.format(pkg=pkg)}"), err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_on_every_worker_after_it_saves(checkout, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the launcher's process group) ended the launcher with a traceback and killed
+    the ssh connections, leaving the run on the workers without its reader: it ran on, or died at its next write,
+    unsaved. The launcher now keeps those connections (a process group of their own), passes SIGTERM on to the run
+    on every worker, streams its stop line (each saves its step) and exits 130. The slice is a stand-in
+    (tests/fakes/bin/gcloud): its one worker is a folder here."""
+    workdir = tmp_path / "run"
+    root = tmp_path / "tpu"
+    e = env(1, FAKE_TPU_ROOT=str(root), FAKE_TPU_BIN=os.path.dirname(sys.executable),
+            FAKE_TPU_PORT=str(local.free_port()), PATH=FAKE_BIN + os.pathsep + os.environ["PATH"])
+    launcher = subprocess.Popen([sys.executable, "-m", "metatrain.launch.tpu", "--name", "mt", "--zone", "z",
+                                 "--code", str(checkout), "--workdir", str(workdir), "--", "train", *TINY,
+                                 "steps=100000", "checkpoint_every=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=e, start_new_session=True)
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    try:
+        while not (metrics.exists() and metrics.stat().st_size > 0):  # training has started on the worker
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.time() < deadline, "no step within 300 s"
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to its foreground process group
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        left = subprocess.run(["pkill", "-KILL", "-f", f"workdir={workdir}"]).returncode == 0
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130 and not left, err[-3000:]
+    step = checkpoints(workdir)[-1]
+    assert f"metatrain train: stopped by SIGTERM at step {step}; checkpoint {step} saved" in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"launch.tpu: stopped by SIGINT; the same command with --resume continues "
+                                            f"the run from its last checkpoint in {workdir}"), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_signal_before_the_run_stops_the_gcloud_command_that_runs(checkout, tmp_path):
+    """SIGTERM to the launcher while it creates the slice: the launcher died alone and gcloud went on; a terminal's
+    Ctrl-C ended it with a traceback. The command that runs is stopped and the launcher says so, exit 143."""
+    e = env(1, FAKE_TPU_ROOT=str(tmp_path / "tpu"), FAKE_TPU_BIN=os.path.dirname(sys.executable),
+            FAKE_TPU_CREATE_SECONDS="600", PATH=FAKE_BIN + os.pathsep + os.environ["PATH"])
+    launcher = subprocess.Popen([sys.executable, "-m", "metatrain.launch.tpu", "--name", "mt", "--zone", "z",
+                                 "--code", str(checkout), "--workdir", "gs://b/r", "--create", "--", "train"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    try:
+        deadline = time.time() + 60
+        while "tpu-vm create" not in subprocess.run(["pgrep", "-af", "gcloud"], capture_output=True, text=True).stdout:
+            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("launch.tpu: stopped by SIGTERM while `gcloud compute tpus tpu-vm create "
+                                            "...` ran"), err[-3000:]
+    assert "tpu-vm create" not in subprocess.run(["pgrep", "-af", "gcloud"], capture_output=True, text=True).stdout
