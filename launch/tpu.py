@@ -22,6 +22,7 @@ while the run runs stops the run on every worker at one step, which each saves (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -234,11 +235,20 @@ class Runner:
         if not again:
             print(f"launch.tpu: {name}: passing SIGTERM on to the run on every worker (each saves its checkpoint at "
                   f"the step it is at and stops); again to kill it", file=sys.stderr, flush=True)
-            subprocess.run(signal_run(self.args, signal.SIGTERM), stdin=subprocess.DEVNULL, capture_output=True)
+            self._signal_run(signal.SIGTERM)
             return
         print(f"launch.tpu: {name} again: killing the run on every worker", file=sys.stderr, flush=True)
-        subprocess.run(signal_run(self.args, signal.SIGKILL), stdin=subprocess.DEVNULL, capture_output=True)
-        os.killpg(p.pid, signal.SIGKILL)
+        self._signal_run(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+    def _signal_run(self, signum: int) -> None:
+        cmd = signal_run(self.args, signum)
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if res.returncode:  # the run goes on there: say how to stop it
+            said = " ".join((res.stderr or res.stdout).split())[-300:]
+            print(f"launch.tpu: `{shlex.join(cmd)}` failed with code {res.returncode} ({said}); run it again to "
+                  f"stop the run", file=sys.stderr, flush=True)
 
 
 def bring_up(args, sh: Runner) -> int:
