@@ -44,9 +44,17 @@ class _Kept:
             self._gone(e)
 
     def _gone(self, error: OSError) -> None:
-        if error.errno not in GONE:
+        if error.errno not in GONE:  # e.g. a full disk under `> log`: an error, which names the stream
+            error.filename = error.filename or self._name
             raise error
-        try:  # the descriptor itself: what is still buffered, and what C code (XLA's logs) writes there, go too
+        self.discard()
+        if self._warn:
+            self._warn(f"{self._name} has no reader any more ({os.strerror(error.errno)}): the rest of it is discarded")
+
+    def discard(self) -> None:
+        """From now on, and what is still buffered: to /dev/null. The descriptor itself is pointed there, so that C
+        code's writes (XLA's logs) and the interpreter's last flush at its exit go there too."""
+        try:
             fd = self._stream.fileno()
             null = os.open(os.devnull, os.O_WRONLY)
             try:
@@ -57,8 +65,6 @@ class _Kept:
                 self._stream.flush()
         except (OSError, ValueError, io.UnsupportedOperation):  # no descriptor of its own
             self._stream = open(os.devnull, "w")  # noqa: SIM115 — kept for the rest of the process
-        if self._warn:
-            self._warn(f"{self._name} has no reader any more ({os.strerror(error.errno)}): the rest of it is discarded")
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -83,5 +89,8 @@ def kept(prefix: list[str]) -> Iterator[None]:
     finally:
         for stream in (sys.stdout, sys.stderr):  # what is still buffered: at the interpreter's exit it could fail
             if isinstance(stream, _Kept):
-                stream.flush()
+                try:
+                    stream.flush()
+                except OSError:  # said already (a full disk): what it holds cannot be written
+                    stream.discard()
         sys.stdout, sys.stderr = before

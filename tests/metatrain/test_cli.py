@@ -264,3 +264,19 @@ def test_an_output_whose_reader_is_gone_is_discarded_and_said_once(monkeypatch):
                               "rest of it is discarded\n")
     assert sys.stdout is out
     out.close()
+
+
+def test_an_output_on_a_full_disk_is_an_error_that_names_it(monkeypatch, capsys):
+    """`metatrain train > log` on a full disk (here /dev/full): one line naming standard output, exit 2 (it said
+    "writing a file failed")."""
+    full = open("/dev/full", "w")  # noqa: SIM115 — every write: ENOSPC
+    monkeypatch.setattr(sys, "stdout", full)
+
+    def command(args):
+        print("a line", flush=True)
+        return 0
+
+    _commands(monkeypatch, talk=command)
+    assert cli.main(["talk"]) == 2
+    assert capsys.readouterr().err == ("metatrain talk: error: writing standard output failed (No space left on "
+                                       "device); make room there and run again\n")
