@@ -46,6 +46,9 @@ class Probe:
     # (a path relative to d, a signal): once the path exists (or after 3 s when it is ""), the signal is sent; the
     # command must then end within 15 s, with exit 0 (it had finished) or 128 + the signal and a "stopped by" line
     interrupt: tuple[str, int] | None = None
+    # where the command's stdout goes: "" a pipe read to the end; "closed" a pipe whose reader is gone (`| head`);
+    # "full" a full disk (/dev/full)
+    stdout: str = ""
 
 
 def write(path: Path, text: str | bytes) -> None:
@@ -423,6 +426,14 @@ def probes(f: dict) -> list[Probe]:
                                                                   "--top-k", "1000000", "--temperature", "1"), None))
     out.append(Probe("generate stopped by Ctrl-C", gen("--prompt", "def", "--max-new-tokens", "200000"), None,
                      interrupt=("", signal.SIGINT)))
+    gone = "standard output has no reader any more"
+    out.append(Probe("generate, its output's reader gone (| head)", gen("--prompt", "def", "--max-new-tokens", "40"),
+                     None, stdout="closed", check=lambda d, o: gone in o))
+    out.append(Probe("scores, its output's reader gone", ["scores", run, "--data", "jsonl:x.jsonl", "--out", "s.jsonl"],
+                     None, stdout="closed", setup=lambda d: jsonl(d / "x.jsonl", [{"text": "a b c"}] * 4),
+                     check=lambda d, o: gone in o and len((d / "s.jsonl").read_text().splitlines()) == 4))
+    out.append(Probe("data stats onto a full disk (> /dev/full)", ["data", "stats", "--source", "builtin"],
+                     "writing standard output failed (No space left on device)", stdout="full"))
     out.append(Probe("generate: a bad role in --prompts", gen("--tokenizer", chat_tok, "--prompts", "p.jsonl"),
                      "p.jsonl:2", setup=lambda d: jsonl(d / "p.jsonl", [
                          {"messages": [{"role": "user", "content": "hi"}]},
@@ -546,11 +557,21 @@ def run_probe(p: Probe, root: Path) -> tuple[bool, str, float]:
     tic = time.perf_counter()
     if p.interrupt is not None:
         return _interrupted(p, d, argv, env, tic)
+    read, out = (None, open("/dev/full", "w")) if p.stdout == "full" else (  # noqa: SIM115
+        os.pipe() if p.stdout == "closed" else (None, subprocess.PIPE))
+    if p.stdout == "closed":
+        os.close(read)
     try:
-        res = subprocess.run([sys.executable, "-m", "metatrain.cli", *argv], cwd=d, env=env, capture_output=True,
-                             text=True, timeout=p.limit)
+        res = subprocess.run([sys.executable, "-m", "metatrain.cli", *argv], cwd=d, env=env, stdout=out,
+                             stderr=subprocess.PIPE, text=True, timeout=p.limit)
     except subprocess.TimeoutExpired:
         return False, f"HANG: no end within {p.limit:.0f} s", time.perf_counter() - tic
+    finally:
+        if p.stdout == "full":
+            out.close()
+        elif p.stdout == "closed":
+            os.close(out)
+    res.stdout = res.stdout or ""
     seconds = time.perf_counter() - tic
     if digest(d, p.user_files) != before:
         return False, "LOST FILES: a file of the user's changed or went", seconds
