@@ -17,7 +17,12 @@ import os
 import sys
 from collections.abc import Iterator
 
-GONE = (errno.EPIPE, errno.EIO)  # the reader of a pipe ended; a terminal hung up
+
+def _terminal(stream) -> bool:
+    try:
+        return os.isatty(stream.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
 
 
 class _Kept:
@@ -25,6 +30,7 @@ class _Kept:
 
     def __init__(self, stream, name: str, warn=None):
         self._stream, self._name, self._warn = stream, name, warn
+        self._terminal = _terminal(stream)  # asked now: a terminal that hung up is no terminal any more
 
     def write(self, text: str) -> int:
         try:
@@ -44,7 +50,10 @@ class _Kept:
             self._gone(e)
 
     def _gone(self, error: OSError) -> None:
-        if error.errno not in GONE:  # e.g. a full disk under `> log`: an error, which names the stream
+        """`error` of a write or flush: where the reader is gone (a pipe's reader ended, EPIPE; a terminal hung up,
+        EIO), the stream is discarded; otherwise (a full disk under `> log`, EIO of a file) it is raised, naming the
+        stream."""
+        if not (error.errno == errno.EPIPE or error.errno == errno.EIO and self._terminal):
             error.filename = error.filename or self._name
             raise error
         self.discard()

@@ -240,18 +240,20 @@ def _command_paths(parser, path=()):
                 yield from _command_paths(command, [*path, name])
 
 
-def test_an_output_whose_reader_is_gone_is_discarded_and_said_once(monkeypatch):
-    """`metatrain ... | head`, or a `tee` stopped by the same Ctrl-C: the next write raised BrokenPipeError wherever
-    it was (a progress bar in a run's clean-up) and ended the command with a traceback. Its stdout is now /dev/null
-    from then on (the descriptor too, which C code writes to), the command goes on, and stderr says so once."""
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone
+@pytest.mark.parametrize("reader", ["pipe", "terminal"])
+def test_an_output_whose_reader_is_gone_is_discarded_and_said_once(monkeypatch, reader):
+    """`metatrain ... | head`, or a `tee` stopped by the same Ctrl-C (a pipe), or a terminal that hung up: the next
+    write raised BrokenPipeError (EIO) wherever it was (a progress bar in a run's clean-up) and ended the command with
+    a traceback. Its stdout is now /dev/null from then on (the descriptor too, which C code writes to), the command
+    goes on, and stderr says so once."""
+    read, write = os.pipe() if reader == "pipe" else os.openpty()  # a terminal: (its master, its slave)
     out, err = open(write, "w"), io.StringIO()  # noqa: SIM115
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
     finished = []
 
     def command(args):
+        os.close(read)  # while it runs, the reader goes: a pipe's read end, a terminal's master
         print("x" * 100_000)  # more than a pipe holds: written at once
         print("more", flush=True)
         os.write(write, b"from C\n")  # the descriptor goes to /dev/null too
@@ -260,7 +262,8 @@ def test_an_output_whose_reader_is_gone_is_discarded_and_said_once(monkeypatch):
 
     _commands(monkeypatch, talk=command)
     assert cli.main(["talk"]) == 0 and finished
-    assert err.getvalue() == ("metatrain talk: warning: standard output has no reader any more (Broken pipe): the "
+    why = "Broken pipe" if reader == "pipe" else "Input/output error"
+    assert err.getvalue() == (f"metatrain talk: warning: standard output has no reader any more ({why}): the "
                               "rest of it is discarded\n")
     assert sys.stdout is out
     out.close()
