@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -26,12 +27,23 @@ def bar(total: float | None, desc: str, initial: float = 0, disable: bool = Fals
     """
     tty = sys.stderr.isatty()
     return tqdm(total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr if tty else _Lines(),
-                dynamic_ncols=tty, mininterval=0.1 if tty else 30.0, ascii=not tty, **options)
+                mininterval=0.1 if tty else 30.0, ascii=not tty, **(_size() if tty else {}), **options)
+
+
+def _size() -> dict:
+    """tqdm's size options on the terminal of stderr: its width, followed as it changes; a terminal nobody sized
+    (`pty.fork`, some containers' exec) reads 0 x 0, for which tqdm showed nothing at all: 80 x 24 there."""
+    try:
+        sized = min(os.get_terminal_size(sys.stderr.fileno())) > 0
+    except (OSError, ValueError, AttributeError):
+        sized = False
+    return {"dynamic_ncols": True} if sized else {"ncols": 80, "nrows": 24}
 
 
 def over(items: Iterable[T], desc: str = "") -> Iterator[T]:
     """`items` with a bar on a terminal that goes when they are done; nothing shown elsewhere."""
-    return iter(tqdm(items, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty()))
+    tty = sys.stderr.isatty()
+    return iter(tqdm(items, desc=desc, file=sys.stderr, leave=False, disable=not tty, **(_size() if tty else {})))
 
 
 def lines(items: Iterable[T], desc: str = "") -> Iterator[T]:

@@ -1,5 +1,9 @@
 """Progress bars in a log file."""
 
+import os
+import select
+import sys
+
 from metatrain import progress
 
 
@@ -25,3 +29,21 @@ def test_over_shows_nothing_and_lines_a_line_per_item_in_a_log_file(capsys):
     assert capsys.readouterr().err == ""
     assert list(progress.lines(iter("ab"), desc="compiling")) == ["a", "b"]
     assert capsys.readouterr().err == "compiling 1/2 ...\ncompiling 2/2 ...\n"
+
+
+def test_on_a_terminal_of_no_size_the_bar_still_shows(monkeypatch):
+    """A terminal whose size reads 0 x 0 (a pseudo-terminal nobody sized: `pty.fork`, some containers' exec): tqdm
+    fitted the bar to 0 columns and printed nothing for a whole run."""
+    master, slave = os.openpty()  # never sized: 0 rows, 0 columns
+    stderr = open(slave, "w")  # noqa: SIM115
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with progress.bar(3, "meta-train") as bar:
+        for _ in range(3):
+            bar.update()
+    stderr.flush()
+    shown = ""
+    while select.select([master], [], [], 0.5)[0]:  # all it wrote
+        shown += os.read(master, 65536).decode()
+    stderr.close()
+    os.close(master)
+    assert "meta-train: 100%" in shown and "3/3" in shown, repr(shown)
