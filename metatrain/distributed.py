@@ -18,9 +18,12 @@ expected size"), where freshly compiled ones agree.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import threading
+import time
 
 from metatrain.errors import ConfigError
 
@@ -95,6 +98,13 @@ def _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeou
             raise ConfigError(f"--process-id {process_id} is not in [0, {num_processes})")
         if num_processes == 1:
             return SINGLE
+        # checked first: where JAX's coordinator cannot listen, or no coordinator answers in time, the process
+        # crashes in C++ (a segmentation fault, a check failure) instead of raising
+        address = _address(coordinator)
+        if process_id:
+            _wait_for_coordinator(coordinator, address, timeout)
+        else:
+            _check_port_free(coordinator, address[1])
         jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout,
                                    heartbeat_timeout_seconds=heartbeat_timeout)
         return f"process {process_id} of {num_processes} (coordinator {coordinator})" + _no_cpu_cache()
@@ -103,6 +113,48 @@ def _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeou
         return SINGLE
     jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout)
     return f"process {jax.process_index()} of {jax.process_count()} ({where})" + _no_cpu_cache()
+
+
+def _address(coordinator: str) -> tuple[str, int]:
+    """(host, port) of a coordinator address HOST:PORT ([IPv6]:PORT), or a ConfigError naming it."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"the coordinator {coordinator!r} (--coordinator, METATRAIN_COORDINATOR) is not HOST:PORT "
+                          f"with a port from 1 to 65535, e.g. 10.0.0.2:8476")
+    return host.strip("[]"), int(port)
+
+
+def _check_port_free(coordinator: str, port: int) -> None:
+    """A ConfigError where the coordinator's port is taken on this machine (JAX's service listens on every address:
+    `[::]:PORT`, or JAX_COORDINATOR_BIND_ADDRESS)."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")
+    host, port = _address(bind)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: a closed job's port is free
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # no IPv6 here, say: JAX finds its own way
+        raise ConfigError(f"the coordinator {coordinator} (--coordinator, METATRAIN_COORDINATOR): port {port} is in "
+                          f"use on this machine (another job's coordinator, another program); give a free port") \
+            from None
+
+
+def _wait_for_coordinator(coordinator: str, address: tuple[str, int], timeout: int) -> None:
+    """Wait until the coordinator's port takes connections, at most `timeout` seconds; a ConfigError after."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(address, timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"no coordinator answered at {coordinator} (--coordinator, METATRAIN_COORDINATOR) "
+                                  f"within {timeout} s ({e.strerror or e}): start process 0 with the same address, "
+                                  f"or check its host and port") from None
+            time.sleep(0.5)
 
 
 def _no_cpu_cache() -> str:
