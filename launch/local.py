@@ -27,8 +27,6 @@ from metatrain import stops, streams
 from metatrain.argtypes import number, positive_int
 from metatrain.entry import hugepage_env
 
-STOPS = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # what a stopped process exits 128 + with
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +45,7 @@ def _relay(stream, prefix: str, out):
 
 def _stopped_by(code: int | None) -> int | None:
     """The stop signal a process's exit code says it was stopped by (it exits 128 + the signal), else None."""
-    return code - 128 if code is not None and code - 128 in STOPS else None
+    return code - 128 if code is not None and code - 128 in stops.ALL else None
 
 
 def launch(command: list[str], processes: int, devices: int, port: int = 0, grace: float = 10.0) -> int:

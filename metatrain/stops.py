@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import signal
 
+ALL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a stopped command exits 128 + one of them
+
 
 def signals() -> tuple[signal.Signals, ...]:
     """The stop signals of this process now: SIGTERM, and SIGINT and SIGHUP where they are not ignored."""
-    kept = tuple(s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN)
-    return (signal.SIGTERM, *kept)
+    return tuple(s for s in ALL if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN)
