@@ -115,12 +115,13 @@ def _join(jax, coordinator, num_processes, process_id, heartbeat_timeout, timeou
     return f"process {jax.process_index()} of {jax.process_count()} ({where})" + _no_cpu_cache()
 
 
-def _address(coordinator: str) -> tuple[str, int]:
-    """(host, port) of a coordinator address HOST:PORT ([IPv6]:PORT), or a ConfigError naming it."""
-    host, _, port = coordinator.rpartition(":")
+def _address(text: str, what: str = "the coordinator", where: str = "--coordinator, METATRAIN_COORDINATOR"
+             ) -> tuple[str, int]:
+    """(host, port) of an address HOST:PORT ([IPv6]:PORT), or a ConfigError naming it (`what`, given as `where`)."""
+    host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"the coordinator {coordinator!r} (--coordinator, METATRAIN_COORDINATOR) is not HOST:PORT "
-                          f"with a port from 1 to 65535, e.g. 10.0.0.2:8476")
+        raise ConfigError(f"{what} {text!r} ({where}) is not HOST:PORT with a port from 1 to 65535, e.g. "
+                          f"10.0.0.2:8476")
     return host.strip("[]"), int(port)
 
 
@@ -128,7 +129,7 @@ def _check_port_free(coordinator: str, port: int) -> None:
     """A ConfigError where the coordinator's port is taken on this machine (JAX's service listens on every address:
     `[::]:PORT`, or JAX_COORDINATOR_BIND_ADDRESS)."""
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")
-    host, port = _address(bind)
+    host, port = _address(bind, "the address JAX's coordinator listens on", "JAX_COORDINATOR_BIND_ADDRESS")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
