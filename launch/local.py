@@ -70,10 +70,7 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
             else:
                 p.send_signal(signum)
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        previous = {s: signal.signal(s, on_signal) for s in stops.signals()}
-    try:
+    with stops.caught(on_signal):
         for i in range(processes):
             if stop:
                 break
@@ -129,9 +126,6 @@ def launch(command: list[str], processes: int, devices: int, port: int = 0, grac
                 p.kill()
                 p.wait()
         return code if code > 0 else 1
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

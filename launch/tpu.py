@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -273,11 +272,9 @@ def launch(args) -> int:
     """Bring up, ship, install and run (see the module's docstring); returns the exit code: the run's, or 128 + the
     signal that stopped the launcher."""
     sh = Runner(args)
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        previous = {s: signal.signal(s, sh.on_signal) for s in stops.signals()}
     try:
-        return _launch(args, sh)
+        with stops.caught(sh.on_signal):
+            return _launch(args, sh)
     except Stopped as e:
         name = signal.Signals(e.signum).name
         if e.the_run:
@@ -287,9 +284,6 @@ def launch(args) -> int:
             what = f" while `{shlex.join(e.during[:5])} ...` ran" if e.during else ""
             print(f"launch.tpu: stopped by {name}{what}", file=sys.stderr)
         return 128 + e.signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _launch(args, sh: Runner) -> int:

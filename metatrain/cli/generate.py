@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 
 from metatrain import argtypes, stops
@@ -138,8 +137,7 @@ def cmd_generate(args) -> int:
     screen = _Screen(args.stop) if not args.prompts and sys.stdout.isatty() else None  # one prompt, on a terminal
     # Ctrl-C / SIGTERM / SIGHUP are noted and acted on between two compiled calls (a KeyboardInterrupt raised inside
     # JAX's dispatch can leave a computation in flight as the interpreter exits)
-    noted = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in stops.signals()}
-    try:
+    with stops.caught(lambda signum, _: stopped.append(signum)):
         for so_far in decode.stream(model_of(cfg, params), ids, args.max_new_tokens, args.temperature, args.top_k,
                                     args.top_p, args.seed, eos=eos):
             out = so_far
@@ -150,9 +148,6 @@ def cmd_generate(args) -> int:
                 screen.show(texts[0])
             if args.stop and all(args.stop in text for text in texts):  # every completion is cut: no more to print
                 break
-    finally:
-        for s, handler in noted.items():
-            signal.signal(s, handler)
     for (p, _), new in zip(prompts, out):
         text = tok.decode([t for t in new if t not in eos])
         if args.stop and args.stop in text:
