@@ -38,3 +38,18 @@ def test_caught_on_another_thread_sets_nothing_and_runs_the_block():
     assert not errors and ran == [before]
     assert signal.getsignal(signal.SIGTERM) is before
 
+
+def test_a_run_trains_on_a_thread_other_than_the_main_one(tmp_path):
+    """A program that runs `metatrain` from a worker thread (a notebook's, a job server's): the run trains and saves,
+    without the stop signals' handlers (it raised "signal only works in main thread")."""
+    from helpers import TINY
+
+    from metatrain import cli
+
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(cli.main(["train", *TINY, "steps=1",
+                                                                       f"workdir={tmp_path}"])))
+    thread.start()
+    thread.join()
+    assert codes == [0]
+    assert (tmp_path / "checkpoints" / "1").is_dir()
