@@ -23,7 +23,9 @@ from metatrain import hostmem
 from metatrain.errors import ConfigError, TrainingError
 
 GiB = 2**30
-HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.74, "v6e": 32.0}  # per chip
+HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.74, "v6e": 32.0}  # per chip
+# Generations that gcloud's accelerator types name otherwise (v5litepod-8), by the name libtpu knows
+TYPE_GENERATIONS = {"v5litepod": "v5e"}
 # NVIDIA GPUs to compile for (CUDA's device properties, which XLA's GPU compiler otherwise queries: SMs, shared
 # memory and registers per SM, L2, clock, memory bandwidth and size). The memory: the H100's as CUDA reports it
 # (79.1 GiB of 80 GB); the H200's estimated alike, nvidia-smi's 143,771 MiB less the 564 MiB the driver keeps on an
@@ -254,16 +256,46 @@ def check_topology(topology: str) -> str:
                               f"h100 or h100:8")
         return topology
     m = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", topology)
+    if not m and (hint := _accelerator_type_hint(topology)):
+        raise ConfigError(f"--topology {topology!r}: {hint}")
     if not m:
         raise ConfigError(f"--topology {topology!r}: write it as GENERATION:AxBxC for a TPU slice, e.g. v5p:2x2x1, "
                           f"or as {' or '.join(sorted(GPUS))} for GPUs (NAME:COUNT for several in one host)")
     chip, dims = m.group(1), [int(d) for d in m.groups()[1:] if d is not None]
+    if chip in TYPE_GENERATIONS:
+        raise ConfigError(f"--topology {topology!r}: write the generation as {TYPE_GENERATIONS[chip]}, e.g. "
+                          f"{TYPE_GENERATIONS[chip]}:{topology.split(':')[1]}")
     if chip not in HBM_GIB:
         raise ConfigError(f"--topology {topology!r}: unknown TPU generation {chip!r}; one of {sorted(HBM_GIB)} (or a "
                           f"GPU: {', '.join(sorted(GPUS))})")
     if min(dims) < 1:
         raise ConfigError(f"--topology {topology!r}: every size must be at least 1 chip, e.g. {chip}:2x2x1")
     return topology
+
+
+# The default slice shape of a TPU accelerator type (gcloud's `--accelerator-type GEN-N`), by its chips: 3-D for the
+# generations that count 2 TensorCores a chip in N (v4, v5p), 2-D for those that count chips (v5e, v6e)
+_CUBE_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+                512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_GRID_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+def _accelerator_type_hint(topology: str) -> str | None:
+    """What to write instead where `topology` is a TPU accelerator type (`v5p-16`, `v5litepod-8`); else None."""
+    m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", topology)
+    chip = m and TYPE_GENERATIONS.get(m.group(1), m.group(1))
+    if chip not in HBM_GIB:
+        return None
+    n, per_core = int(m.group(2)), chip in ("v4", "v5p")
+    chips = n // 2 if per_core else n
+    shape = (_CUBE_SHAPES if per_core else _GRID_SHAPES).get(chips)
+    if shape is None:
+        return (f"that looks like an accelerator type; --topology takes the slice's chips as GENERATION:AxB[xC], e.g. "
+                f"{chip}:{'2x2x1' if per_core else '2x4'}")
+    counted = f"{n} TensorCores, {chips} chips" if per_core else f"{chips} chips"
+    return (f"that is an accelerator type ({counted}); --topology takes the slice's chips as GENERATION:AxB[xC], "
+            f"e.g. {chip}:{shape}, its default shape (`gcloud compute tpus tpu-vm describe` shows a slice's as "
+            f"acceleratorConfig.topology)")
 
 
 def libtpu_installed() -> bool:

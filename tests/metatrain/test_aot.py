@@ -27,6 +27,23 @@ def test_a_bad_gpu_topology_is_a_one_line_error(capsys, topology, says):
         assert "\n" not in err.strip()
 
 
+@pytest.mark.parametrize("topology, says", [pytest.param(*case, id=case[0]) for case in [
+    ("v5p-16", "accelerator type (16 TensorCores, 8 chips); --topology takes the slice's chips as GENERATION:AxB[xC], "
+               "e.g. v5p:2x2x2, its default shape"),
+    ("v4-32", "(32 TensorCores, 16 chips); --topology takes the slice's chips as GENERATION:AxB[xC], e.g. v4:2x2x4,"),
+    ("v5litepod-8", "accelerator type (8 chips); --topology takes the slice's chips as GENERATION:AxB[xC], e.g. "
+                    "v5e:2x4,"),
+    ("v6e-6", "looks like an accelerator type; --topology takes the slice's chips as GENERATION:AxB[xC], e.g. v6e:2x4"),
+    ("v5litepod:2x2", "write the generation as v5e, e.g. v5e:2x2")]])
+def test_an_accelerator_type_as_topology_names_the_slice_shape(capsys, topology, says):
+    """gcloud's --accelerator-type (v5p-16: TensorCores; v5litepod-8: chips) where --topology wants the chip grid;
+    libtpu knows v5e, not v5litepod ("Invalid TPU external name")."""
+    assert cli.main(["compile", "--model", "tiny", "--topology", topology]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith(f"metatrain compile: error: --topology {topology!r}: ") and says in err, err
+    assert "\n" not in err.strip()
+
+
 @pytest.mark.parametrize("fraction", ["1.5", "0", "most"])
 def test_a_bad_memory_fraction_is_a_one_line_error(capsys, monkeypatch, fraction):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
