@@ -367,7 +367,10 @@ def topology_devices(topology: str):
     per_host = tuple(min(d, b) for d, b in zip(dims, (2, 2, 1))) + (1,) * (3 - len(dims))  # v5e/v6e: 2-D names
     try:
         with _libtpu_host(chip):
-            topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+            # v4: one device per chip (its two TensorCores as one, "megacore"), as JAX has them on a v4 VM; libtpu's
+            # default describes each TensorCore as a device, half a chip's HBM each
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                                chip_config_name="megacore" if chip == "v4" else "default",
                                                 chips_per_host_bounds=per_host, num_slices=1)
     except Exception as e:  # noqa: BLE001 — no libtpu, or a shape the compiler does not know
         fix = f"install {EXTRAS['tpu']}" if not libtpu_installed() else f"give a slice shape that {chip} comes in"

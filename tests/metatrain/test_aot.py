@@ -44,6 +44,18 @@ def test_an_accelerator_type_as_topology_names_the_slice_shape(capsys, topology,
     assert "\n" not in err.strip()
 
 
+def test_the_default_shapes_of_accelerator_types_are_slices_of_that_many_chips():
+    """The shapes the hint above names, described by libtpu: one device per chip, as JAX has them on a TPU VM (v4
+    too, whose two TensorCores are one device: 4 on a v4-8)."""
+    pytest.importorskip("libtpu", reason="needs the tpu extra (CI installs it): pip install -e '.[tpu]'")
+    for generation, shapes in (("v4", aot._CUBE_SHAPES), ("v5p", aot._CUBE_SHAPES), ("v5e", aot._GRID_SHAPES),
+                               ("v6e", aot._GRID_SHAPES)):
+        for chips, shape in shapes.items():
+            devices, _ = aot.topology_devices(f"{generation}:{shape}")
+            assert len(devices) == chips, (generation, shape, len(devices))
+            assert len({tuple(d.coords) for d in devices}) == chips, (generation, shape)
+
+
 @pytest.mark.parametrize("fraction", ["1.5", "0", "most"])
 def test_a_bad_memory_fraction_is_a_one_line_error(capsys, monkeypatch, fraction):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
