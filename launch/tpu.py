@@ -193,8 +193,10 @@ class Runner:
     def on_signal(self, signum, _frame):
         self.stops.append(signum)
 
-    def __call__(self, cmd: list[str], capture: bool = False, the_run: bool = False) -> tuple[int, str]:
-        print("+ " + shlex.join(cmd), flush=True)
+    def __call__(self, cmd: list[str], capture: bool = False, the_run: bool = False,
+                 echo: bool = True) -> tuple[int, str]:
+        if echo:
+            print("+ " + shlex.join(cmd), flush=True)
         if self.dry_run:
             return 0, ""
         if self.stops:
@@ -258,11 +260,19 @@ def bring_up(args, sh: Runner) -> int:
     if sh.dry_run:
         print(f"# then every 30 s until it prints ACTIVE: {shlex.join(queued_state(args))}")
         return 0
+    # a queue can take hours (Spot): the state is asked every 30 s and said when it changes, not the command each time
+    asked, said, start = queued_state(args), None, time.monotonic()
+    print(f"+ {shlex.join(asked)}   # every 30 s until it prints ACTIVE", flush=True)
     while True:
-        code, status = sh(queued_state(args), capture=True)
+        code, status = sh(asked, capture=True, echo=False)
         if code or status in ("FAILED", "SUSPENDED"):
             print(f"launch.tpu: the queued resource {args.name} is {status or 'unknown'}", file=sys.stderr)
             return code or 1
+        if status != said:
+            s = time.monotonic() - start
+            waited = "" if said is None else f" (after {s:.0f} s)" if s < 120 else f" (after {s / 60:.0f} min)"
+            print(f"launch.tpu: the queued resource {args.name} is {status}{waited}", file=sys.stderr, flush=True)
+            said = status
         if status == "ACTIVE":
             return 0
         sh.sleep(30)

@@ -4,6 +4,7 @@ compiling the outer step for v5p with libtpu."""
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -342,3 +343,23 @@ def test_a_signal_before_the_run_stops_the_gcloud_command_that_runs(checkout, tm
     assert err.strip().splitlines()[-1] == ("launch.tpu: stopped by SIGTERM while `gcloud compute tpus tpu-vm create "
                                             "...` ran"), err[-3000:]
     assert "tpu-vm create" not in subprocess.run(["pgrep", "-af", "gcloud"], capture_output=True, text=True).stdout
+
+
+def test_a_queued_resource_is_waited_for_with_a_line_per_state(tmp_path, monkeypatch, capsys):
+    """A queue can take hours: its describe command is printed once, then each new state in one line (it printed
+    the command every 30 s and no state)."""
+    monkeypatch.setenv("PATH", FAKE_BIN + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("FAKE_TPU_ROOT", str(tmp_path))
+    monkeypatch.setenv("FAKE_TPU_QUEUED", "WAITING_FOR_RESOURCES,WAITING_FOR_RESOURCES,WAITING_FOR_RESOURCES,"
+                                          "PROVISIONING,ACTIVE")
+    args = tpu.build_parser().parse_args([*BASE[:-1], "--create", "--queued", "--spot", "--", "train"])
+    sh, waits = tpu.Runner(args), []
+    monkeypatch.setattr(sh, "sleep", waits.append)
+    assert tpu.bring_up(args, sh) == 0
+    out, err = capsys.readouterr()
+    assert waits == [30] * 4 and (tmp_path / "queued-describes").read_text() == "5"
+    assert [c[3:5] for c in _commands(out)] == [["queued-resources", "create"], ["queued-resources", "describe"]]
+    lines = [re.sub(r"\(after \d+ s\)$", "(after N s)", line) for line in err.splitlines()]
+    assert lines == ["launch.tpu: the queued resource mt is WAITING_FOR_RESOURCES",
+                     "launch.tpu: the queued resource mt is PROVISIONING (after N s)",
+                     "launch.tpu: the queued resource mt is ACTIVE (after N s)"]
