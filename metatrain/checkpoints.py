@@ -162,6 +162,10 @@ def silence_failed_reads(checkpoint: str) -> None:
         gc.collect()
 
 
+class WriteFailed(TrainingError):
+    """A checkpoint that could not be written (`Checkpoints._failed_save`)."""
+
+
 class Checkpoints:
     def __init__(self, workdir: str, keep: int):
         self.workdir = workdir
@@ -209,7 +213,7 @@ class Checkpoints:
         then = (f"checkpoint {latest} is the newest intact one: make room there (or lower keep_checkpoints) and run "
                 f"again with --resume" if latest is not None else
                 "no checkpoint was written before it: make room there and run the command again")
-        raise TrainingError(f"checkpoint {step} could not be written in {self.dir} ({reason}); {then}") from None
+        raise WriteFailed(f"checkpoint {step} could not be written in {self.dir} ({reason}); {then}") from None
 
     def restore(self, state_target, other_items: dict, log=lambda line: print(line, file=sys.stderr)):
         """(step, restored Composite) from the newest intact checkpoint; `state_target` are ShapeDtypeStructs."""

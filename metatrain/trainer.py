@@ -27,7 +27,7 @@ from metatrain import config as config_lib
 from metatrain import step as step_lib
 from metatrain import workdir as workdir_lib
 from metatrain.aot import check_fits, compiled_memory
-from metatrain.checkpoints import Checkpoints
+from metatrain.checkpoints import Checkpoints, WriteFailed
 from metatrain.config import AUTO, Config
 from metatrain.data.pipeline import Streams, device_features, to_global
 from metatrain.errors import ConfigError, StoppedBySignal, TrainingError
@@ -306,11 +306,24 @@ class Trainer:
     def save(self) -> None:
         """Start an async save of the state and both data streams' positions (a step saved already is skipped)."""
         step = int(self.state["step"])
+        self._check_workdir_kept()
         saved = self.checkpoints.save(step, {"state": ocp.args.StandardSave(step_lib.checkpointed(self.state)),
                                              **self.streams.save_args(),
                                              "config": ocp.args.JsonSave({"yaml": config_lib.to_yaml(self.cfg)})})
         if saved and self.log is not None:
             self.log.sync()
+
+    def _check_workdir_kept(self, settle: float = 0.0) -> None:
+        """A TrainingError where the work dir was removed while the run ran (its lock file deleted: `rm -r`): what
+        it writes would go with the deleted folder, and another run could take the work dir. `settle`: seconds to
+        wait for the lock file to go, after a write failed in a folder that an `rm -r` in progress removed first."""
+        deadline = time.monotonic() + settle
+        while self.lock is not None and not self.lock.removed() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.lock is not None and self.lock.removed():
+            raise TrainingError(f"workdir: {workdir_lib.log_dir(self.cfg.workdir)} was removed while the run ran (seen "
+                                f"at step {int(self.state['step'])}): stopped, as its checkpoints and metrics went "
+                                f"with it; start the run again, in another workdir to keep both") from None
 
     def restore(self) -> int:
         """The state and data positions of the newest intact checkpoint; returns its step. The frozen LoRA base is
@@ -394,67 +407,75 @@ class Trainer:
         start_step = int(self.state["step"])
         bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)
         bad_in_a_row, skipped = 0, 0
-        with stops.caught(self._on_signal, caught):
-            try:
-                self._check_base()
-                self.log = MetricsLog(cfg, start_step) if self.is_main else None
-                summary = {"start_validation_loss": float(np.mean(self.validation_losses()))}
-                eval_every = cfg.eval_every or max(1, cfg.steps // 10)
-                evaluation, eval_seconds = None, 0.0
-                t0 = time.perf_counter()
-                for step in range(start_step, cfg.steps):
-                    reset = population.resets_at(step, cfg.population)
-                    if reset and self.is_main:
-                        tqdm.write(f"step {step + 1}: population member{'s' * (len(reset) > 1)} "
-                                   f"{', '.join(map(str, reset))} reinitialised", file=sys.stderr)
-                    tic = time.perf_counter()
-                    batches, outer_batch = self._global_batches()
-                    self.state, metrics = self.compiled(self.state, batches, outer_batch)
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    metrics.update(step=step + 1, step_time=time.perf_counter() - tic)
-                    metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
-                    if metrics.pop("finite") < 1:
-                        bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
-                        if self.is_main:
-                            tqdm.write(f"step {step + 1}: non-finite loss, meta-gradient or update, update skipped "
-                                       f"({bad_in_a_row} in a row)", file=sys.stderr)
-                        if bad_in_a_row >= cfg.max_bad_steps:
-                            updates = "update" if bad_in_a_row == 1 else "updates"
-                            again = ("resume (--resume)" if self.checkpoints.last_saved is not None else
-                                     "run again without --resume (the run starts over)")
-                            raise TrainingError(
-                                f"{bad_in_a_row} non-finite {updates} in a row at step {step + 1}; stopping. "
-                                f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and {again}")
-                    else:
-                        bad_in_a_row = 0
-                    metrics["skipped_updates"] = skipped
-                    if cfg.population.lifetime:
-                        metrics["resets"] = len(reset)
-                    if self.log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-                        self.log.write(metrics)
-                    bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
-                                    refresh=False)
-                    bar.update(1)
-                    if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
-                        evaluation = self.evaluate()
-                        eval_seconds += evaluation["eval_seconds"]
-                        if self.log:
-                            self.log.write(evaluation)
-                    if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                        self.save()
-                    if self._stopping(step + 1):
-                        self.save()
-                        raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
-                                              f"{step + 1} saved, {self.continue_hint}", self._stop_signal)
-                self.save()
-            except _StoppedWaiting:
-                raise StoppedBySignal(self._stopped_waiting(), self._stop_signal) from None
-            finally:
-                bar.close()
-                self.checkpoints.close()  # waits for every save in flight, whatever ended the loop
-                if self.log:
-                    self.log.close()
-                self.release()
+        try:
+            with stops.caught(self._on_signal, caught):
+                try:
+                    self._check_base()
+                    self.log = MetricsLog(cfg, start_step) if self.is_main else None
+                    summary = {"start_validation_loss": float(np.mean(self.validation_losses()))}
+                    eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+                    evaluation, eval_seconds = None, 0.0
+                    t0 = time.perf_counter()
+                    for step in range(start_step, cfg.steps):
+                        reset = population.resets_at(step, cfg.population)
+                        if reset and self.is_main:
+                            tqdm.write(f"step {step + 1}: population member{'s' * (len(reset) > 1)} "
+                                       f"{', '.join(map(str, reset))} reinitialised", file=sys.stderr)
+                        tic = time.perf_counter()
+                        batches, outer_batch = self._global_batches()
+                        self.state, metrics = self.compiled(self.state, batches, outer_batch)
+                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                        metrics.update(step=step + 1, step_time=time.perf_counter() - tic)
+                        metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
+                        if metrics.pop("finite") < 1:
+                            bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
+                            if self.is_main:
+                                tqdm.write(f"step {step + 1}: non-finite loss, meta-gradient or update, update skipped "
+                                           f"({bad_in_a_row} in a row)", file=sys.stderr)
+                            if bad_in_a_row >= cfg.max_bad_steps:
+                                updates = "update" if bad_in_a_row == 1 else "updates"
+                                again = ("resume (--resume)" if self.checkpoints.last_saved is not None else
+                                         "run again without --resume (the run starts over)")
+                                raise TrainingError(
+                                    f"{bad_in_a_row} non-finite {updates} in a row at step {step + 1}; stopping. "
+                                    f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and {again}")
+                        else:
+                            bad_in_a_row = 0
+                        metrics["skipped_updates"] = skipped
+                        if cfg.population.lifetime:
+                            metrics["resets"] = len(reset)
+                        if self.log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+                            self.log.write(metrics)
+                        bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
+                                        refresh=False)
+                        bar.update(1)
+                        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+                            evaluation = self.evaluate()
+                            eval_seconds += evaluation["eval_seconds"]
+                            if self.log:
+                                self.log.write(evaluation)
+                        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                            self.save()
+                        if self._stopping(step + 1):
+                            self.save()
+                            raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
+                                                  f"{step + 1} saved, {self.continue_hint}", self._stop_signal)
+                    self.save()
+                except _StoppedWaiting:
+                    raise StoppedBySignal(self._stopped_waiting(), self._stop_signal) from None
+                finally:
+                    bar.close()
+                    self.checkpoints.close()  # waits for every save in flight, whatever ended the loop
+                    if self.log:
+                        self.log.close()
+        except StoppedBySignal:
+            raise
+        except Exception as e:  # whatever ended the run: the work dir's removal, where that was the cause (a write
+            # that failed, the `rm -r` that cut it still on its way to the lock file)
+            self._check_workdir_kept(settle=2.0 if isinstance(e, (OSError, WriteFailed)) else 0.0)
+            raise
+        finally:
+            self.release()
         if evaluation is None or evaluation["step"] != int(self.state["step"]):  # e.g. resumed at the end
             evaluation = self.evaluate()
         summary.update(end_validation_loss=evaluation["eval_validation_loss"], seconds=time.perf_counter() - t0,

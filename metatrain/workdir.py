@@ -98,13 +98,19 @@ class Lock:
         self._file = f
         return self
 
+    def removed(self) -> bool:
+        """Whether the lock file held was deleted since (with its work dir, as `rm -r` does): another run could take
+        the work dir now, and what this one writes there goes with the deleted folder."""
+        return self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0
+
     def release(self) -> None:
         if self._file is not None:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
             folder = os.path.dirname(self.path)
-            if self._made and os.listdir(folder) == [".lock"]:  # nothing but the lock: leave no empty work dir
+            # nothing but the lock (and the folder still there): leave no empty work dir
+            if self._made and os.path.isdir(folder) and os.listdir(folder) == [".lock"]:
                 os.remove(self.path)
                 for made in self._made:  # and no empty folder above it that this lock made
                     try:

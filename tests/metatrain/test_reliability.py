@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -271,6 +272,35 @@ def test_a_second_run_in_a_busy_workdir_is_refused_and_a_dead_one_leaves_no_lock
     holder.kill()
     holder.wait()
     Lock(str(workdir)).acquire().release()  # the killed process's lock went with it
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["removed-before-a-save", "removed-during-a-save"])
+def test_a_workdir_removed_while_the_run_runs_stops_it_in_one_line(tmp_path, capsys, monkeypatch, race):
+    """`rm -r WORKDIR` during a run: it trained on to its last step writing into the deleted folder, then failed
+    with "has no metrics.jsonl: is it a metatrain work dir?" (or, its save in flight cut, "make room there"). The
+    next save sees the lock file gone and stops; a save that an `rm -r` in progress cut (ENOENT) is said the same."""
+    from metatrain import trainer
+
+    workdir, save = tmp_path / "run", trainer.Trainer.save
+
+    def removed_at_step_4(self):
+        if int(self.state["step"]) != 4:
+            return save(self)
+        if not race:
+            shutil.rmtree(workdir)
+            return save(self)
+        # the save fails as the rm removes its folder; the rm reaches the lock file a moment later
+        threading.Timer(0.5, shutil.rmtree, [workdir]).start()
+        raise checkpoints_lib.WriteFailed(f"checkpoint 4 could not be written in {workdir}/checkpoints "
+                                          f"(FileNotFoundError: [Errno 2] No such file or directory: "
+                                          f"'{workdir}/checkpoints/4.orbax-checkpoint-tmp')")
+
+    monkeypatch.setattr(trainer.Trainer, "save", removed_at_step_4)
+    code, _, err = _train([f"workdir={workdir}", "steps=8", "checkpoint_every=2"], capsys)
+    assert code == 2
+    one_line_error(err, f"workdir: {workdir} was removed while the run ran (seen at step 4): stopped, as its "
+                        "checkpoints and metrics went with it; start the run again")
+    assert not (workdir / "checkpoints" / "4").exists() and not (workdir / "checkpoints" / "6").exists()
 
 
 # ---- 5. a damaged latest checkpoint -----------------------------------------------------------------
