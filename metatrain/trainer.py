@@ -398,7 +398,8 @@ class Trainer:
 
         Raises:
           StoppedBySignal: stopped by SIGTERM or SIGINT (after saving); a `TrainingError`.
-          TrainingError: stopped by `max_bad_steps` non-finite updates in a row.
+          TrainingError: stopped by `max_bad_steps` non-finite updates in a row, a checkpoint that could not be
+            written, or the work dir removed while the run ran.
         """
         cfg = self.cfg
         # SIGTERM stays with JAX's preemption notifier where the processes agree on the step to stop at
