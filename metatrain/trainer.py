@@ -389,6 +389,30 @@ class Trainer:
             return f"no checkpoint was saved yet (checkpoint_every={self.cfg.checkpoint_every})"
         return f"the last checkpoint, step {step} in {self.checkpoints.dir}, is intact"
 
+    @contextlib.contextmanager
+    def _running(self, caught: list, bar):
+        """Around the loop: the stop signals `caught`; on the way out, whatever ended it, the progress bar closed,
+        every save in flight waited for, the logs closed and the work dir's lock released. A run that failed because
+        its work dir was removed says so (`_check_workdir_kept`)."""
+        try:
+            with stops.caught(self._on_signal, caught):
+                try:
+                    yield
+                except _StoppedWaiting:
+                    raise StoppedBySignal(self._stopped_waiting(), self._stop_signal) from None
+                finally:
+                    bar.close()
+                    self.checkpoints.close()  # waits for every save in flight, whatever ended the loop
+                    if self.log:
+                        self.log.close()
+        except StoppedBySignal:
+            raise
+        except Exception as e:  # a write that failed: the `rm -r` that cut it may still be on its way to the lock file
+            self._check_workdir_kept(settle=2.0 if isinstance(e, (OSError, WriteFailed)) else 0.0)
+            raise
+        finally:
+            self.release()
+
     def train(self) -> dict:
         """Run the outer steps from the current state to `cfg.steps`, evaluating, logging and checkpointing.
 
@@ -408,75 +432,58 @@ class Trainer:
         start_step = int(self.state["step"])
         bar = progress.bar(cfg.steps, self.kind, initial=start_step, disable=not self.show_progress)
         bad_in_a_row, skipped = 0, 0
-        try:
-            with stops.caught(self._on_signal, caught):
-                try:
-                    self._check_base()
-                    self.log = MetricsLog(cfg, start_step) if self.is_main else None
-                    summary = {"start_validation_loss": float(np.mean(self.validation_losses()))}
-                    eval_every = cfg.eval_every or max(1, cfg.steps // 10)
-                    evaluation, eval_seconds = None, 0.0
-                    t0 = time.perf_counter()
-                    for step in range(start_step, cfg.steps):
-                        reset = population.resets_at(step, cfg.population)
-                        if reset and self.is_main:
-                            tqdm.write(f"step {step + 1}: population member{'s' * (len(reset) > 1)} "
-                                       f"{', '.join(map(str, reset))} reinitialised", file=sys.stderr)
-                        tic = time.perf_counter()
-                        batches, outer_batch = self._global_batches()
-                        self.state, metrics = self.compiled(self.state, batches, outer_batch)
-                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                        metrics.update(step=step + 1, step_time=time.perf_counter() - tic)
-                        metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
-                        if metrics.pop("finite") < 1:
-                            bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
-                            if self.is_main:
-                                tqdm.write(f"step {step + 1}: non-finite loss, meta-gradient or update, update skipped "
-                                           f"({bad_in_a_row} in a row)", file=sys.stderr)
-                            if bad_in_a_row >= cfg.max_bad_steps:
-                                updates = "update" if bad_in_a_row == 1 else "updates"
-                                again = ("resume (--resume)" if self.checkpoints.last_saved is not None else
-                                         "run again without --resume (the run starts over)")
-                                raise TrainingError(
-                                    f"{bad_in_a_row} non-finite {updates} in a row at step {step + 1}; stopping. "
-                                    f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and {again}")
-                        else:
-                            bad_in_a_row = 0
-                        metrics["skipped_updates"] = skipped
-                        if cfg.population.lifetime:
-                            metrics["resets"] = len(reset)
-                        if self.log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-                            self.log.write(metrics)
-                        bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
-                                        refresh=False)
-                        bar.update(1)
-                        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
-                            evaluation = self.evaluate()
-                            eval_seconds += evaluation["eval_seconds"]
-                            if self.log:
-                                self.log.write(evaluation)
-                        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                            self.save()
-                        if self._stopping(step + 1):
-                            self.save()
-                            raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
-                                                  f"{step + 1} saved, {self.continue_hint}", self._stop_signal)
-                    self.save()
-                except _StoppedWaiting:
-                    raise StoppedBySignal(self._stopped_waiting(), self._stop_signal) from None
-                finally:
-                    bar.close()
-                    self.checkpoints.close()  # waits for every save in flight, whatever ended the loop
+        with self._running(caught, bar):
+            self._check_base()
+            self.log = MetricsLog(cfg, start_step) if self.is_main else None
+            summary = {"start_validation_loss": float(np.mean(self.validation_losses()))}
+            eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+            evaluation, eval_seconds = None, 0.0
+            t0 = time.perf_counter()
+            for step in range(start_step, cfg.steps):
+                reset = population.resets_at(step, cfg.population)
+                if reset and self.is_main:
+                    tqdm.write(f"step {step + 1}: population member{'s' * (len(reset) > 1)} "
+                               f"{', '.join(map(str, reset))} reinitialised", file=sys.stderr)
+                tic = time.perf_counter()
+                batches, outer_batch = self._global_batches()
+                self.state, metrics = self.compiled(self.state, batches, outer_batch)
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                metrics.update(step=step + 1, step_time=time.perf_counter() - tic)
+                metrics["tokens_per_s"] = batches["tokens"].size / metrics["step_time"]
+                if metrics.pop("finite") < 1:
+                    bad_in_a_row, skipped = bad_in_a_row + 1, skipped + 1
+                    if self.is_main:
+                        tqdm.write(f"step {step + 1}: non-finite loss, meta-gradient or update, update skipped "
+                                   f"({bad_in_a_row} in a row)", file=sys.stderr)
+                    if bad_in_a_row >= cfg.max_bad_steps:
+                        updates = "update" if bad_in_a_row == 1 else "updates"
+                        again = ("resume (--resume)" if self.checkpoints.last_saved is not None else
+                                 "run again without --resume (the run starts over)")
+                        raise TrainingError(
+                            f"{bad_in_a_row} non-finite {updates} in a row at step {step + 1}; stopping. "
+                            f"{self._last_checkpoint()}: lower meta_opt.lr or inner_lr and {again}")
+                else:
+                    bad_in_a_row = 0
+                metrics["skipped_updates"] = skipped
+                if cfg.population.lifetime:
+                    metrics["resets"] = len(reset)
+                if self.log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+                    self.log.write(metrics)
+                bar.set_postfix(outer=f"{metrics['outer_loss']:.3f}", inner=f"{metrics['inner_loss']:.3f}",
+                                refresh=False)
+                bar.update(1)
+                if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+                    evaluation = self.evaluate()
+                    eval_seconds += evaluation["eval_seconds"]
                     if self.log:
-                        self.log.close()
-        except StoppedBySignal:
-            raise
-        except Exception as e:  # whatever ended the run: the work dir's removal, where that was the cause (a write
-            # that failed, the `rm -r` that cut it still on its way to the lock file)
-            self._check_workdir_kept(settle=2.0 if isinstance(e, (OSError, WriteFailed)) else 0.0)
-            raise
-        finally:
-            self.release()
+                        self.log.write(evaluation)
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    self.save()
+                if self._stopping(step + 1):
+                    self.save()
+                    raise StoppedBySignal(f"stopped by {self._stop_signal.name} at step {step + 1}; checkpoint "
+                                          f"{step + 1} saved, {self.continue_hint}", self._stop_signal)
+            self.save()
         if evaluation is None or evaluation["step"] != int(self.state["step"]):  # e.g. resumed at the end
             evaluation = self.evaluate()
         summary.update(end_validation_loss=evaluation["eval_validation_loss"], seconds=time.perf_counter() - t0,
