@@ -26,6 +26,7 @@ import time
 from metatrain import stops, streams
 from metatrain.argtypes import number, positive_int
 from metatrain.entry import hugepage_env
+from metatrain.launch.command import check_command
 
 
 def free_port() -> int:
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the metatrain command after --, e.g. -- train steps=10")
+    problem = check_command(command)  # said once here, not by every process
+    if problem:
+        parser.error(f"the metatrain command after --: {problem}")
     with streams.kept(["launch.local"]):  # its output may lose its reader (a terminal closed): the job goes on
         return launch(command, args.processes, args.devices, args.port, args.grace)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from metatrain import stops, streams
 from metatrain.argtypes import nonnegative_int, refuse_empty
+from metatrain.launch.command import check_command
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE = "metatrain-src.tar.gz"
@@ -339,37 +340,6 @@ def _launch(args, sh: Runner) -> int:
                 sh(cmd)
             code, _ = sh(run(args, resume=True), the_run=True)
     return code
-
-
-def check_command(command: list[str], workdir: str, include: list[str]) -> str | None:
-    """What is wrong with the metatrain command, found here before a slice is created or anything shipped (a typo
-    costs a second, not a slice's start-up and install): its flags, as `metatrain` parses them (their errors exit
-    here), and its run config's keys, types and values (`metatrain.config.check`: the files it names are the
-    workers' and are not looked for). A `task=module:Class` is imported from the current directory and the
-    `--include` paths, as the workers import it. Returns the config's error, None if it is sound."""
-    from metatrain import cli
-    from metatrain import config as config_lib
-    from metatrain.cli.run import run_settings
-    from metatrain.errors import ConfigError
-
-    parser = cli.build_parser()
-    parsed, unknown = parser.parse_known_args(command)
-    if unknown:
-        getattr(parsed, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    preset, overrides, default = run_settings(parsed)
-    where = [str(Path.cwd())] + [str(Path(p).resolve().parent) for p in include]
-    sys.path[:0], imported = where, set(sys.modules)
-    try:
-        config_lib.check(preset or default, [*overrides, f"workdir={workdir}"])
-    except ConfigError as e:
-        return str(e)
-    finally:
-        del sys.path[:len(where)]
-        for name in set(sys.modules) - imported:  # the user's modules: imported again from where the run starts
-            file = getattr(sys.modules[name], "__file__", None) or ""
-            if any(file.startswith(os.path.join(w, "")) for w in where):
-                del sys.modules[name]
-    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,6 +184,19 @@ def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
     assert e.value.code == 2 and last.startswith(f"python -m metatrain.launch.local: error: {says}"), err
 
 
+@pytest.mark.parametrize("command, says", [
+    (["train", "nosuchkey=1"], "the metatrain command after --: nosuchkey: Key 'nosuchkey' not in 'Config'"),
+    (["train", "task=nosuchmodule:Task"], "the metatrain command after --: task: task 'nosuchmodule:Task': cannot "
+                                          "import module 'nosuchmodule'")])
+def test_a_bad_command_is_one_line_before_any_process_starts(command, says, capsys, monkeypatch):
+    """Each process said the same error, then the launcher that one of them failed (three lines for one typo)."""
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(SystemExit) as e:
+        local.main(["--", *command])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith(f"python -m metatrain.launch.local: error: {says}"), err
+
+
 @pytest.mark.parametrize("sig, to", [(signal.SIGTERM, "launcher"), (signal.SIGHUP, "launcher"),
                                      (signal.SIGTERM, "process 1")])
 def test_a_signal_to_the_launcher_stops_every_process_as_it_stops_one(tmp_path, sig, to):
