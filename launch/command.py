@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 
-def check_command(command: list[str], workdir: str | None = None, include: list[str] = ()) -> str | None:
+def check_command(command: list[str], workdir: str | None = None, include: list[str] = (),
+                  devices: int | None = None) -> str | None:
     """What is wrong with the metatrain command, found before a launcher starts anything (a typo costs a second, not
     every process's start-up, or a slice's): its flags, as `metatrain` parses them (their errors exit here), and for
     `train` and `pretrain` the run config's keys, types and values (`metatrain.config.check`; the files it names are
@@ -18,6 +19,8 @@ def check_command(command: list[str], workdir: str | None = None, include: list[
       command: the metatrain command line, e.g. ["train", "maml", "steps=10"].
       workdir: the work dir the launcher gives the run (`workdir=` after the command's own), if any.
       include: files and folders shipped beside the task module, whose folders the run imports from.
+      devices: the devices of the whole job, where the launcher knows them: the run's mesh must split them, and its
+        batch the mesh's data x fsdp devices.
 
     Returns:
       The config's error, or None if the command is sound.
@@ -37,7 +40,12 @@ def check_command(command: list[str], workdir: str | None = None, include: list[
     where = [str(Path.cwd())] + [str(Path(p).resolve().parent) for p in include]
     sys.path[:0], imported = where, set(sys.modules)
     try:
-        config_lib.check(preset or default, [*overrides, *([f"workdir={workdir}"] if workdir else [])])
+        cfg = config_lib.check(preset or default, [*overrides, *([f"workdir={workdir}"] if workdir else [])])
+        if devices:
+            from metatrain.sharding import check_batch, mesh_shape
+
+            data, fsdp = mesh_shape(cfg.mesh, devices, cfg.population.size if cfg.population.axis else 0)
+            check_batch(cfg.data.batch, data * fsdp)
     except ConfigError as e:
         return str(e)
     finally:

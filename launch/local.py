@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the metatrain command after --, e.g. -- train steps=10")
-    problem = check_command(command)  # said once here, not by every process
+    problem = check_command(command, devices=args.processes * args.devices)  # said once here, not by each process
     if problem:
         parser.error(f"the metatrain command after --: {problem}")
     with streams.kept(["launch.local"]):  # its output may lose its reader (a terminal closed): the job goes on

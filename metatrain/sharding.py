@@ -72,7 +72,17 @@ def make_mesh(cfg: MeshConfig, devices=None, population: int = 0) -> jax.shardin
     """The device mesh: `data` x `fsdp`, with `population` > 0 a leading `population` axis of that many devices
     (`population.axis=true`: the members side by side)."""
     devices = list(devices if devices is not None else jax.devices())
-    n = len(devices)
+    data, fsdp = mesh_shape(cfg, len(devices), population)
+    if population:
+        return jax.sharding.Mesh(np.asarray(devices).reshape(population, data, fsdp), ("population", "data", "fsdp"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.sharding.Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def mesh_shape(cfg: MeshConfig, n: int, population: int = 0) -> tuple[int, int]:
+    """The (data, fsdp) sizes of the mesh over `n` devices (of each of `population` members, where > 0); a
+    ConfigError where they cannot split them."""
     if population:
         if n % population:
             raise ConfigError(f"population.axis: the {n} devices do not split into {population} members; use a "
@@ -88,11 +98,14 @@ def make_mesh(cfg: MeshConfig, devices=None, population: int = 0) -> jax.shardin
                             f"set mesh.data=-1 or sizes whose product is {n}")
         error.devices = n  # for a command whose flag set the sizes, to say it in its own terms
         raise error
-    if population:
-        return jax.sharding.Mesh(np.asarray(devices).reshape(population, data, fsdp), ("population", "data", "fsdp"),
-                                 axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    return jax.sharding.Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return data, fsdp
+
+
+def check_batch(batch: int, shards: int) -> None:
+    """A ConfigError where `data.batch` does not split over the `shards` data x fsdp devices."""
+    if batch % shards:
+        raise ConfigError(f"data.batch: {batch} does not divide over the {shards} data x fsdp devices; use a multiple "
+                          f"of {shards}")
 
 
 def _mesh_spec(logical: P, shape, mesh) -> P:

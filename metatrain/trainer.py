@@ -31,7 +31,7 @@ from metatrain.checkpoints import Checkpoints, WriteFailed
 from metatrain.config import AUTO, Config
 from metatrain.data.pipeline import Streams, device_features, to_global
 from metatrain.errors import ConfigError, StoppedBySignal, TrainingError
-from metatrain.sharding import abstract, batch_sharding, make_mesh, replicated
+from metatrain.sharding import abstract, batch_sharding, check_batch, make_mesh, replicated
 from metatrain.tasks import validate
 from metatrain.tasks.weight_eval import EvalContext
 from metatrain.tracking import MetricsLog, require_wandb
@@ -76,10 +76,7 @@ class Trainer:
             require_wandb(cfg)
         self.show_progress = show_progress and self.is_main
         self.mesh = make_mesh(cfg.mesh, population=cfg.population.size if cfg.population.axis else 0)
-        n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if cfg.data.batch % n_batch_shards:
-            raise ConfigError(f"data.batch: {cfg.data.batch} does not divide over the {n_batch_shards} "
-                              f"data x fsdp devices; use a multiple of {n_batch_shards}")
+        check_batch(cfg.data.batch, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.streams = Streams(cfg.data)
         self.cfg = data_derived(cfg, self.streams)
         self._features = device_features(self.cfg.data)

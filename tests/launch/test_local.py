@@ -185,16 +185,21 @@ def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
 
 
 @pytest.mark.parametrize("command, says", [
-    (["train", "nosuchkey=1"], "the metatrain command after --: nosuchkey: Key 'nosuchkey' not in 'Config'"),
-    (["train", "task=nosuchmodule:Task"], "the metatrain command after --: task: task 'nosuchmodule:Task': cannot "
-                                          "import module 'nosuchmodule'")])
+    (["train", "nosuchkey=1"], "nosuchkey: Key 'nosuchkey' not in 'Config'"),
+    (["train", "task=nosuchmodule:Task"], "task: task 'nosuchmodule:Task': cannot import module 'nosuchmodule'"),
+    # the job's devices: 3 processes x 2
+    (["train", "mesh.fsdp=4"], "mesh: data=-1 x fsdp=4 does not divide the 6 devices"),
+    (["train", "data.batch=16"], "data.batch: 16 does not divide over the 6 data x fsdp devices; use a multiple of 6"),
+    (["train", "population.size=4", "population.axis=true"], "population.axis: the 6 devices do not split into 4")])
 def test_a_bad_command_is_one_line_before_any_process_starts(command, says, capsys, monkeypatch):
-    """Each process said the same error, then the launcher that one of them failed (three lines for one typo)."""
+    """Each process said the same error, then the launcher that one of them failed (three lines or more for one
+    mistake, after every process had started and joined the job)."""
     monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     with pytest.raises(SystemExit) as e:
-        local.main(["--", *command])
+        local.main(["--processes", "3", "--devices", "2", "--", *command])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1].startswith(f"python -m metatrain.launch.local: error: {says}"), err
+    assert e.value.code == 2, err
+    assert err[-1].startswith(f"python -m metatrain.launch.local: error: the metatrain command after --: {says}"), err
 
 
 @pytest.mark.parametrize("sig, to", [(signal.SIGTERM, "launcher"), (signal.SIGHUP, "launcher"),
