@@ -10,7 +10,8 @@ checkout this launcher is in, or `--code`: an installed package is refused, sinc
 gets from its pyproject.toml), plus your own task module: a `task=module:Class` whose module is a file or
 package in the current directory is found and shipped, and `--include PATH` adds more. Both go on the workers'
 PYTHONPATH, and the launcher prints what it ships. The metatrain command is checked here first (its flags, its
-config's keys, types and values), before anything is created or shipped. `--queued` creates the slice through
+config's keys, types and values, and for a known --accelerator-type that its mesh and batch split over the
+slice's chips), before anything is created or shipped. `--queued` creates the slice through
 `gcloud compute tpus queued-resources` (the way Google recommends for large and Spot slices) and waits until it
 is ACTIVE. `--dry-run` prints every command instead of running it. The work dir is a gs:// path (or an absolute
 path on a file system every worker mounts; a relative one is refused), and data.data_dir may be one: checkpoints
@@ -389,7 +390,10 @@ def main(argv=None) -> int:
     for extra in args.include:
         if not Path(extra).exists():
             parser.error(f"--include {extra}: no such file or folder")
-    problem = check_command(args.command, args.workdir, args.include)
+    from metatrain import aot
+
+    found = aot.accelerator_chips(args.accelerator_type)  # a known type: its chips, one device each
+    problem = check_command(args.command, args.workdir, args.include, devices=found[1] if found and found[2] else None)
     if problem:
         parser.error(f"the metatrain command after --: {problem}")
     if "://" not in args.workdir:

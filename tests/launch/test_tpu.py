@@ -135,6 +135,11 @@ def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
     (["train", "task=mytask:Mine"], "python -m metatrain.launch.tpu: error: the metatrain command after --: task: "
                                     "task 'mytask:Mine': cannot import module 'mytask'"),
     (["train", "--bogus"], "metatrain train: error: unrecognized arguments: --bogus"),
+    # BASE's v5p-16: 16 TensorCores, 8 chips, a device each
+    (["train", "mesh.fsdp=3"], "python -m metatrain.launch.tpu: error: the metatrain command after --: mesh: data=-1 "
+                               "x fsdp=3 does not divide the 8 devices"),
+    (["train", "data.batch=12"], "python -m metatrain.launch.tpu: error: the metatrain command after --: data.batch: "
+                                 "12 does not divide over the 8 data x fsdp devices"),
 ])
 def test_a_bad_metatrain_command_is_refused_before_anything_runs(command, says, checkout, capsys):
     """Checked here, not on the workers after the slice is created and the code installed."""
