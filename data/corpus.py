@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
+import shlex
 import sysconfig
 from collections.abc import Sequence
 
@@ -16,6 +18,12 @@ from metatrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".json", ".html", ".tex", ".csv", ".c", ".h")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
+# how compressed files start (bzip2: its header, then a block or the end of the stream), their format and the
+# command that decompresses them: documents are read as text (JSON lines by byte offset), never decompressed here
+COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "unzstd"),
+              (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2", "bunzip2"),
+              (re.compile(rb"\xfd7zXZ\x00"), "xz", "unxz"))
+
 
 
 @dataclasses.dataclass
@@ -57,10 +65,28 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def read_text(path: str, stats: DecodeStats | None = None) -> str:
-    """UTF-8 text; undecodable bytes are replaced (and counted in `stats`)."""
+def refuse_compressed(path: str, where: str) -> None:
+    """Raise a DataError naming the format and the command that undoes it, where the file at `path` is compressed.
+
+    Args:
+      path: the file.
+      where: what reads it, for the message (`data source jsonl:docs/*.jsonl`).
+    """
     with open(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
+        head = f.read(10)
+    for magic, name, command in COMPRESSED:
+        if magic.match(head):
+            raise DataError(f"{where}: {path!r} is {name}-compressed; decompress it first ({command} "
+                            f"{shlex.quote(path)}): metatrain reads plain text")
+
+
+def read_text(path: str, stats: DecodeStats | None = None) -> str:
+    """UTF-8 text; undecodable bytes are replaced (and counted in `stats`); compressed files are refused."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if any(magic.match(raw) for magic, _, _ in COMPRESSED):
+        refuse_compressed(path, "text file")
+    text = raw.decode("utf-8", errors="replace")
     if stats is not None:
         stats.files += 1
         stats.replaced_chars += text.count("\ufffd")

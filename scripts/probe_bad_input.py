@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -500,6 +501,17 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("compile --config of a folder without config.yaml", ["compile", "--config", "adir"],
                      "a folder without config.yaml", setup=lambda d: (d / "adir").mkdir()))
     out.append(Probe("compile --config of an unknown preset", ["compile", "--config", "nope"], "--config: no config"))
+
+    # compressed inputs: read as text, they were 'not a JSON line (utf-8 codec ...)' or replacement characters
+    gz = lambda name: lambda d: write(d / name, gzip.compress(open(docs, "rb").read()))
+    out.append(Probe("a gzip-compressed JSONL source", train("data.source=jsonl:docs.jsonl.gz"),
+                     "is gzip-compressed; decompress it first (gunzip", setup=gz("docs.jsonl.gz")))
+    out.append(Probe("scores of a gzip-compressed JSONL file", ["scores", run, "--data", "jsonl:d.jsonl.gz", "--out",
+                                                               "s.jsonl"], "gunzip", setup=gz("d.jsonl.gz"),
+                     absent=("s.jsonl",)))
+    out.append(Probe("data build of a gzip-compressed file", ["data", "build", "d.txt.gz", "--name", "mine",
+                                                              "--data-dir", "tfds"], "gunzip", setup=gz("d.txt.gz"),
+                     absent=("tfds/mine",)))
 
     # Hugging Face checkpoints, damaged
     if hf:

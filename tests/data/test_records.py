@@ -1,5 +1,7 @@
 """`data.records`: going on past the documents an interrupted pass scored."""
 
+import gzip
+
 import pytest
 
 from metatrain.data import records
@@ -31,3 +33,11 @@ def test_fingerprint_changes_with_the_size_or_the_time_of_a_file(tmp_path):
     assert before == [[str(path.resolve()), 3, os.stat(path).st_mtime_ns]]
     path.write_text("{}\n{}\n")
     assert records.fingerprint([str(path)]) != before
+
+
+def test_a_compressed_input_is_refused_naming_the_command_that_decompresses_it(tmp_path):
+    """`scores` and `filter` read their input here: a gzip file was 'not a JSON line (utf-8 codec can't decode byte
+    0x8b)'."""
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n'))
+    with pytest.raises(DataError, match=r"d\.jsonl\.gz' is gzip-compressed; decompress it first \(gunzip "):
+        records.files("jsonl", str(tmp_path / "*.jsonl.gz"))

@@ -1,13 +1,17 @@
 """Document sources (JSONL, Parquet, a text dir, a saved `datasets` dataset): texts, ids and one-line errors;
 document ids through packing, resume and a trusted outer source."""
 
+import bz2
+import gzip
 import json
+import lzma
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from metatrain.data.corpus import read_text
 from metatrain.data.formats import Encoder
 from metatrain.data.pipeline import DataConfig, Streams, main_doc, stream
 from metatrain.data.sources import open_source
@@ -137,6 +141,33 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "d" / "x.bin").write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(DataError, match=r"x\.bin: not UTF-8 text"):
         open_source(f"dir:{tmp_path / 'd'}")[0]
+
+
+@pytest.mark.parametrize("suffix, compress, name, command", [
+    (".gz", gzip.compress, "gzip", "gunzip"), (".bz2", bz2.compress, "bzip2", "bunzip2"),
+    (".xz", lzma.compress, "xz", "unxz"), (".zst", lambda b: b"\x28\xb5\x2f\xfd" + b, "zstd", "unzstd"),
+])
+def test_a_compressed_file_is_named_with_the_command_that_decompresses_it(tmp_path, suffix, compress, name, command):
+    """Read as text, a compressed file was 'not a JSON line (utf-8 codec can't decode byte 0x8b)' in jsonl:, 'not
+    UTF-8 text' in dir:, and replacement characters in `data build` (documents are read by byte offset or whole, so
+    they are refused rather than decompressed)."""
+    raw = _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS]).read_bytes()
+    (tmp_path / "d").mkdir()
+    for path in (tmp_path / f"a.jsonl{suffix}", tmp_path / "d" / f"a.txt{suffix}"):
+        path.write_bytes(compress(raw))
+    jsonl, folder = f"jsonl:{tmp_path / f'a.jsonl{suffix}'}", f"dir:{tmp_path / 'd'}"
+    for where, read in ((f"data source {jsonl}", lambda: open_source(jsonl)),
+                        (f"data source {folder}", lambda: open_source(folder)[0]),
+                        ("text file", lambda: read_text(str(tmp_path / "d" / f"a.txt{suffix}")))):
+        with pytest.raises(DataError) as e:
+            read()
+        assert str(e.value).startswith(f"{where}: ") and f"is {name}-compressed" in str(e.value), str(e.value)
+        assert f"decompress it first ({command} {tmp_path}" in str(e.value), str(e.value)
+
+
+def test_text_that_starts_like_a_compressed_file_is_text(tmp_path):
+    (tmp_path / "a.txt").write_text("BZh1 is a word here")
+    assert read_text(str(tmp_path / "a.txt")) == "BZh1 is a word here"
 
 
 def test_each_example_keeps_the_document_that_gave_it_most_tokens(tmp_path):

@@ -2,6 +2,7 @@
 bad prompts and sizes in one line before anything compiles, the export's own tokenizer, and a stop by Ctrl-C that
 prints what was generated."""
 
+import gzip
 import json
 import os
 import signal
@@ -23,9 +24,12 @@ def test_bad_prompts_are_one_line(shared_run, tmp_path, capsys):
     assert e.value.code == 2
     one_line_error(capsys.readouterr().err, "argument --prompt: empty")
     for name, make, says in (("missing.jsonl", None, "not found"), ("empty.jsonl", "\n\n", "holds no prompts"),
-                             ("adir", "dir", "is a directory")):
+                             ("adir", "dir", "is a directory"),
+                             ("p.jsonl.gz", gzip.compress(b'{"prompt": "a"}\n'), "is gzip-compressed; decompress")):
         if make == "dir":
             (tmp_path / name).mkdir()
+        elif isinstance(make, bytes):
+            (tmp_path / name).write_bytes(make)
         elif make is not None:
             (tmp_path / name).write_text(make)
         code, _, err = _main(capsys, "generate", run, "--prompts", tmp_path / name)
