@@ -98,6 +98,12 @@ def _prompt_tokens(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> t
     if isinstance(prompts, (str, bytes)):
         raise ValueError("generate: prompts is text; give a list of prompts, each a list of token ids (encode the "
                          "text with the model's tokenizer first)")
+    if len(prompts) and np.ndim(prompts[0]) == 0 and np.asarray(prompts[0]).dtype.kind in "iu":  # [3, 7, 1]
+        raise ValueError("generate: prompts is one list of token ids; give a list of prompts ([ids] for one) or a "
+                         "[batch, seq] array")
+    unsized = next((i for i, x in enumerate(prompts) if not hasattr(x, "__len__")), None)
+    if unsized is not None:
+        raise ValueError(f"generate: prompt {unsized} is not a list of token ids (whole numbers)")
     if len(prompts) == 0 or any(len(x) == 0 for x in prompts):
         raise ValueError("generate: give at least one prompt, each of at least one token")
     text = next((i for i, x in enumerate(prompts) if isinstance(x, (str, bytes))), None)

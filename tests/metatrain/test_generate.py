@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 from helpers import cli_run as _main
 from helpers import one_line_error
@@ -109,6 +110,9 @@ def test_bad_arguments_of_the_python_api_are_one_line_before_anything_compiles(s
         ([[1], [2, vocab]], {}, f"prompt 1 has token id {vocab}, outside the model's vocabulary of {vocab}"),
         ([[-1]], {}, "prompt 0 has token id -1, outside"),
         ([[1.5]], {}, "prompt 0 is not a list of token ids (whole numbers)"),
+        ([1, 2, 3], {}, "prompts is one list of token ids; give a list of prompts ([ids] for one)"),  # "len() of
+        (np.array([1, 2]), {}, "prompts is one list of token ids"),  # unsized object"
+        ([[1], None], {}, "prompt 1 is not a list of token ids"),
         ([[1]], {"max_new_tokens": -1}, "max_new_tokens must be a whole number >= 1, got -1"),
         ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 1, got 2.5"),
         ([[1]], {"temperature": -1.0}, "temperature must be a number >= 0 (0: greedy), got -1.0"),
