@@ -31,6 +31,9 @@ _ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "inter
 # ---- configuration ---------------------------------------------------------------------------------------
 def read_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
+    if os.path.isfile(directory):
+        raise DataError(f"{directory} is a file; give the Hugging Face model dir that holds it (config.json + "
+                        "model.safetensors)")
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)"
                         + _metatrain_dir(directory))
@@ -220,13 +223,15 @@ def read(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """The architecture and parameters of a local Hugging Face model dir.
 
     Args:
-      directory: a `llama` or `qwen2` model dir.
+      directory: a `llama` or `qwen2` model dir (`~` is expanded).
       dtype: the parameters' dtype.
 
     Returns:
       (`ModelConfig`, the parameters as a pure dict of `Transformer(cfg)`'s state).
     """
     from metatrain import models
+
+    directory = os.path.expanduser(directory)
 
     hf = read_config(directory)
     cfg = config_from_hf(hf, os.path.join(directory, "config.json")).replace(param_dtype=dtype)
@@ -341,7 +346,7 @@ def load(directory: str, dtype: str = "float32") -> Transformer:
     """The NNX model of a local Hugging Face model dir (`llama` or `qwen2`).
 
     Args:
-      directory: a dir with `config.json` and `model.safetensors` (or a sharded index).
+      directory: a dir with `config.json` and `model.safetensors` (or a sharded index); `~` is expanded.
       dtype: the parameters' dtype.
 
     Returns:
@@ -353,6 +358,7 @@ def load(directory: str, dtype: str = "float32") -> Transformer:
 
     from metatrain import models
 
+    directory = os.path.expanduser(directory)
     cfg, params = read(directory, dtype)
     graphdef, state = models.abstract_init(cfg)
     nnx.replace_by_pure_dict(state, _tree_map(jnp.asarray, params))

@@ -14,6 +14,7 @@ from helpers import HF_VOCAB as VOCAB  # noqa: N811
 from helpers import make_hf_checkpoint, one_line_error
 
 from metatrain import cli, export, hf
+from metatrain.errors import DataError
 from metatrain.run import Run
 
 torch = pytest.importorskip("torch", reason="the hf test extra (pip install -e '.[hf]') is not installed")
@@ -173,6 +174,17 @@ def test_missing_dir_and_chinchilla_export_give_one_line(shared_run, tmp_path, c
     one_line_error(capsys.readouterr().err, "config.json not found")
     assert cli.main(["export", str(shared_run["workdir"]), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
     one_line_error(capsys.readouterr().err, "GELU MLP", "--format orbax")
+
+
+def test_hf_load_expands_home_and_names_a_file_given_for_the_dir(checkpoints, tmp_path, monkeypatch):
+    """`hf.load("~/models/x")` was "~/models/x/config.json not found", and a model's config.json given for its dir
+    "config.json/config.json not found"."""
+    directory = next(iter(checkpoints.values()))[0]
+    monkeypatch.setenv("HOME", str(directory.parent))
+    assert hf.load(f"~/{directory.name}").cfg == hf.load(str(directory)).cfg
+    for name in ("config.json", "model.safetensors"):
+        with pytest.raises(DataError, match=f"{name} is a file; give the Hugging Face model dir that holds it"):
+            hf.load(str(directory / name))
 
 
 def test_an_import_the_disk_refuses_is_one_line_and_leaves_nothing(checkpoints, tmp_path):
