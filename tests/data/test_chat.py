@@ -98,6 +98,14 @@ def test_without_markers_the_mask_is_the_markers_mask(tmp_path):
         assert plain == (list(expected["input_ids"]), list(expected["assistant_masks"]))
 
 
+def test_a_tokenizer_dir_under_home_is_found(tmp_path, monkeypatch):
+    """`chat.encode(..., "hf:~/models/x")` looked for `./~/models/x`."""
+    _tokenizer(tmp_path / "tok", "chatml", CHATML)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    messages = _conversations()[0]
+    assert chat.encode(messages, "hf:~/tok") == chat.encode(messages, f"hf:{tmp_path / 'tok'}")
+
+
 def test_bad_conversations_are_one_line(tmp_path):
     _tokenizer(tmp_path, "chatml", CHATML)
     for messages, says in (([{"role": "user"}], "message 0 needs a 'role' and a 'content'"),
