@@ -261,5 +261,5 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
     """
     if not tokenizer.startswith(HF_PREFIX):
         raise ConfigError(f"tokenizer {tokenizer!r}: chat needs a model's tokenizer and template, hf:DIR")
-    return _template(os.path.abspath(os.path.expanduser(tokenizer[len(HF_PREFIX):])), chat_template).encode(messages,
-                                                                                         add_generation_prompt, where)
+    directory = os.path.abspath(os.path.expanduser(tokenizer[len(HF_PREFIX):]))
+    return _template(directory, chat_template).encode(messages, add_generation_prompt, where)

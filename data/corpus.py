@@ -25,7 +25,6 @@ COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\x28\
               (re.compile(rb"\xfd7zXZ\x00"), "xz", "unxz"))
 
 
-
 @dataclasses.dataclass
 class DecodeStats:
     files: int = 0
