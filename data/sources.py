@@ -189,8 +189,6 @@ def table_fields(schema, fields: Fields, where: str) -> Fields:
     """The document fields of Arrow data with `schema` (a table, or a Parquet file read by row groups): its format
     found as a JSON record's, its document columns there, a text column holding strings. `where` (the source, or
     the file) starts each error."""
-    import pyarrow as pa
-
     fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, where)
     hint = {"text": "name the text column with data.text_field", "chat": "name the chat column with "
             "data.messages_field", "prompt_completion": "data.format=prompt_completion needs both columns, "
@@ -200,9 +198,20 @@ def table_fields(schema, fields: Fields, where: str) -> Fields:
             raise DataError(f"{where}: no column {column!r} (columns: {schema.names[:8]}); {hint}")
     if fields.format == "text":
         kind = schema.field(fields.text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if not _is_text(kind):
             raise DataError(f"{where}: column {fields.text_field!r} is {kind}, not text")
     return fields
+
+
+def _is_text(arrow_type) -> bool:
+    """Whether a column of this type holds strings: plain, large or view, or dictionary-encoded (a pandas
+    Categorical written to Parquet)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        return _is_text(arrow_type.value_type)
+    view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or view(arrow_type)
 
 
 def _placeholder(arrow_type):
@@ -211,7 +220,7 @@ def _placeholder(arrow_type):
 
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
         return []
-    return "" if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) else None
+    return "" if _is_text(arrow_type) else None
 
 
 def parquet(pattern: str, fields: Fields, id_field: str) -> Table:

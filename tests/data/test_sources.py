@@ -136,6 +136,19 @@ def test_a_missing_parquet_column_names_what_the_format_needs(tmp_path, fmt, col
     assert all(n in str(e.value) for n in needles), str(e.value)
 
 
+@pytest.mark.parametrize("column", [
+    lambda texts: pa.array(texts).dictionary_encode(),  # a pandas Categorical written to Parquet
+    lambda texts: pa.array(texts, pa.large_string()),
+    lambda texts: pa.array(texts, pa.string_view()),
+], ids=["dictionary", "large_string", "string_view"])
+def test_every_arrow_string_type_reads_as_text(tmp_path, column):
+    """A dictionary-encoded or string_view text column was 'column 'text' is dictionary<values=string, ...>, not
+    text'."""
+    pq.write_table(pa.table({"text": column(TEXTS)}), tmp_path / "t.parquet")
+    src = open_source(f"parquet:{tmp_path / 't.parquet'}")
+    assert [src[i] for i in range(len(src))] == TEXTS
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.bin").write_bytes(b"\xff\xfe\x00bad")
