@@ -19,6 +19,7 @@ import json
 import os
 from datetime import datetime
 
+from metatrain import paths
 from metatrain.data.tokenizer import HF_PREFIX, unicode_text
 from metatrain.errors import ConfigError, DataError
 
@@ -261,5 +262,5 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
     """
     if not tokenizer.startswith(HF_PREFIX):
         raise ConfigError(f"tokenizer {tokenizer!r}: chat needs a model's tokenizer and template, hf:DIR")
-    directory = os.path.abspath(os.path.expanduser(tokenizer[len(HF_PREFIX):]))
+    directory = paths.local(tokenizer[len(HF_PREFIX):])
     return _template(directory, chat_template).encode(messages, add_generation_prompt, where)

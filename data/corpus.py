@@ -72,7 +72,10 @@ def refuse_compressed(path: str, where: str) -> None:
       where: what reads it, for the message (`data source jsonl:docs/*.jsonl`).
     """
     with open(path, "rb") as f:
-        head = f.read(10)
+        _refuse_compressed_bytes(f.read(10), path, where)
+
+
+def _refuse_compressed_bytes(head: bytes, path: str, where: str) -> None:
     for magic, name, command in COMPRESSED:
         if magic.match(head):
             raise DataError(f"{where}: {path!r} is {name}-compressed; decompress it first ({command} "
@@ -83,8 +86,7 @@ def read_text(path: str, stats: DecodeStats | None = None) -> str:
     """UTF-8 text; undecodable bytes are replaced (and counted in `stats`); compressed files are refused."""
     with open(path, "rb") as f:
         raw = f.read()
-    if any(magic.match(raw) for magic, _, _ in COMPRESSED):
-        refuse_compressed(path, "text file")
+    _refuse_compressed_bytes(raw, path, "text file")
     text = raw.decode("utf-8", errors="replace")
     if stats is not None:
         stats.files += 1
