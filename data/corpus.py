@@ -23,6 +23,10 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist
 COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "unzstd"),
               (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2", "bunzip2"),
               (re.compile(rb"\xfd7zXZ\x00"), "xz", "unxz"))
+# the byte-order marks of UTF-32 and UTF-16 text (UTF-32 LE's first, it starts as UTF-16 LE's does): such text is
+# converted to UTF-8 first (its ASCII would otherwise come with NUL bytes, and JSON lines split inside characters)
+WIDE = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+        (b"\xfe\xff", "UTF-16"))
 
 
 @dataclasses.dataclass
@@ -64,29 +68,36 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def refuse_compressed(path: str, where: str) -> None:
-    """Raise a DataError naming the format and the command that undoes it, where the file at `path` is compressed.
+def refuse_non_utf8(path: str, where: str) -> None:
+    """Raise a DataError naming the format and the command that undoes it, where the file at `path` is compressed
+    or UTF-16/UTF-32 text (metatrain reads UTF-8).
 
     Args:
       path: the file.
       where: what reads it, for the message (`data source jsonl:docs/*.jsonl`).
     """
     with open(path, "rb") as f:
-        _refuse_compressed_bytes(f.read(10), path, where)
+        _refuse_non_utf8_bytes(f.read(10), path, where)
 
 
-def _refuse_compressed_bytes(head: bytes, path: str, where: str) -> None:
+def _refuse_non_utf8_bytes(head: bytes, path: str, where: str) -> None:
     for magic, name, command in COMPRESSED:
         if magic.match(head):
             raise DataError(f"{where}: {path!r} is {name}-compressed; decompress it first ({command} "
                             f"{shlex.quote(path)}): metatrain reads plain text")
+    for bom, name in WIDE:
+        if head.startswith(bom):
+            stem, ext = os.path.splitext(path)
+            raise DataError(f"{where}: {path!r} is {name} text (it starts with a byte-order mark); metatrain reads "
+                            f"UTF-8: convert it first (iconv -f {name} -t UTF-8 {shlex.quote(path)} > "
+                            f"{shlex.quote(stem + '.utf8' + ext)})")
 
 
 def read_text(path: str, stats: DecodeStats | None = None) -> str:
     """UTF-8 text; undecodable bytes are replaced (and counted in `stats`); compressed files are refused."""
     with open(path, "rb") as f:
         raw = f.read()
-    _refuse_compressed_bytes(raw, path, "text file")
+    _refuse_non_utf8_bytes(raw, path, "text file")
     text = raw.decode("utf-8", errors="replace")
     if stats is not None:
         stats.files += 1

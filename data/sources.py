@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from metatrain.data.corpus import FileDocuments, builtin_corpus_files, refuse_compressed
+from metatrain.data.corpus import FileDocuments, builtin_corpus_files, refuse_non_utf8
 from metatrain.data.formats import PAIR, Fields
 from metatrain.errors import ConfigError, DataError
 from metatrain.paths import read_json
@@ -92,7 +92,7 @@ def _files(kind: str, pattern: str) -> list[str]:
         what = "matches no file" if any(c in pattern for c in "*?[") else "is not a file"
         raise DataError(f"data source {kind}:{pattern}: {pattern!r} {what}")
     for path in files:
-        refuse_compressed(path, f"data source {kind}:{pattern}")
+        refuse_non_utf8(path, f"data source {kind}:{pattern}")
     return files
 
 
@@ -304,7 +304,7 @@ class TextDir(FileDocuments, Plain):
             with open(self.files[i], encoding="utf-8") as f:
                 return f.read()
         except UnicodeDecodeError:
-            refuse_compressed(self.files[i], f"data source dir:{self.root}")
+            refuse_non_utf8(self.files[i], f"data source dir:{self.root}")
             raise DataError(f"{self.files[i]}: not UTF-8 text (data source dir:{self.root})") from None
 
     def doc_id(self, i: int):

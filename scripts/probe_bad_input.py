@@ -513,6 +513,15 @@ def probes(f: dict) -> list[Probe]:
                                                               "--data-dir", "tfds"], "gunzip", setup=gz("d.txt.gz"),
                      absent=("tfds/mine",)))
 
+    # UTF-16 text (as Windows tools save it): its lines split inside characters, 'truncated data'
+    u16 = lambda name: lambda d: write(d / name, open(docs, encoding="utf-8").read().encode("utf-16"))
+    out.append(Probe("a UTF-16 JSONL source", train("data.source=jsonl:u16.jsonl"),
+                     "is UTF-16 text (it starts with a byte-order mark); metatrain reads UTF-8: convert it first "
+                     "(iconv -f UTF-16 -t UTF-8 ", setup=u16("u16.jsonl")))
+    out.append(Probe("data build of a UTF-16 file", ["data", "build", "u16.txt", "--name", "mine", "--data-dir",
+                                                     "tfds"], "iconv -f UTF-16", setup=u16("u16.txt"),
+                     absent=("tfds/mine",)))
+
     # Hugging Face checkpoints, damaged
     if hf:
         def damaged(change):

@@ -50,7 +50,7 @@ def _model(src: str, what: str | None, tokenizer: str | None):
 def _prompts(args) -> list[tuple[str | list, str]]:
     """(a prompt: text or messages, where it came from) of --prompt or each line of --prompts."""
     from metatrain import paths
-    from metatrain.data.corpus import refuse_compressed
+    from metatrain.data.corpus import refuse_non_utf8
     from metatrain.data.sources import json_record
     from metatrain.errors import ConfigError, DataError
 
@@ -60,7 +60,7 @@ def _prompts(args) -> list[tuple[str | list, str]]:
     if not os.path.isfile(path):
         raise ConfigError(f"generate --prompts: {path} " + ("is a directory" if os.path.isdir(path) else
                                                             "not found") + "; give a JSON lines file")
-    refuse_compressed(path, "generate --prompts")
+    refuse_non_utf8(path, "generate --prompts")
     out = []
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):

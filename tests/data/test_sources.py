@@ -5,6 +5,7 @@ import bz2
 import gzip
 import json
 import lzma
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -151,7 +152,7 @@ def test_every_arrow_string_type_reads_as_text(tmp_path, column):
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "x.bin").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "d" / "x.bin").write_bytes(b"\x80\x81\x00bad")
     with pytest.raises(DataError, match=r"x\.bin: not UTF-8 text"):
         open_source(f"dir:{tmp_path / 'd'}")[0]
 
@@ -176,6 +177,36 @@ def test_a_compressed_file_is_named_with_the_command_that_decompresses_it(tmp_pa
             read()
         assert str(e.value).startswith(f"{where}: ") and f"is {name}-compressed" in str(e.value), str(e.value)
         assert f"decompress it first ({command} {tmp_path}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-16-be", "UTF-16")])
+def test_utf16_and_utf32_text_is_named_with_the_command_that_converts_it(tmp_path, encoding, name):
+    """UTF-16 JSON lines were 'not a JSON line ('utf-16-le' codec can't decode byte 0x0a ...: truncated data)' (lines
+    split inside characters), and in `data build` every other character a replacement."""
+    text = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    raw = (b"\xfe\xff" if encoding == "utf-16-be" else b"") + text.encode(encoding)  # Python's -be adds no mark
+    (tmp_path / "d").mkdir()
+    for path in (tmp_path / "a.jsonl", tmp_path / "d" / "a.txt"):
+        path.write_bytes(raw)
+    jsonl, folder, txt = f"jsonl:{tmp_path / 'a.jsonl'}", f"dir:{tmp_path / 'd'}", tmp_path / "d" / "a.txt"
+    for where, read, file in ((f"data source {jsonl}", lambda: open_source(jsonl), tmp_path / "a.jsonl"),
+                              (f"data source {folder}", lambda: open_source(folder)[0], txt),
+                              ("text file", lambda: read_text(str(txt)), txt)):
+        with pytest.raises(DataError) as e:
+            read()
+        stem, ext = os.path.splitext(file)
+        assert str(e.value).startswith(f"{where}: ") and f"is {name} text" in str(e.value), str(e.value)
+        assert f"convert it first (iconv -f {name} -t UTF-8 {file} > {stem}.utf8{ext})" in str(e.value)
+    # the command it gives reads it back as the same documents
+    out = tmp_path / "a.utf8.jsonl"
+    out.write_bytes(raw.decode("utf-16" if "16" in encoding else "utf-32").encode())
+    assert [open_source(f"jsonl:{out}")[i] for i in range(len(TEXTS))] == TEXTS
+
+
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes("".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode("utf-8-sig"))
+    assert open_source(f"jsonl:{path}")[0] == TEXTS[0]
 
 
 def test_text_that_starts_like_a_compressed_file_is_text(tmp_path):
