@@ -438,6 +438,28 @@ def _field_type(key: str):
     return node
 
 
+@functools.cache
+def _all_keys(cls: type = None, prefix: str = "") -> tuple[str, ...]:
+    """Every settable dotted key of the config (its values', not its groups')."""
+    out = []
+    for name, kind in _field_types(cls or Config).items():
+        out += _all_keys(kind, f"{prefix}{name}.") if dataclasses.is_dataclass(kind) else [prefix + name]
+    return tuple(out)
+
+
+def _unknown_key(key: str) -> str:
+    """Why `key` is refused where the config has no such setting, with the key(s) it most likely meant: those it
+    ends (`lora.rank` of `inner.lora.rank`), else those of its last name (`state_dtype`), else those it starts
+    (`data.shuffle`), else a close spelling."""
+    import difflib
+
+    keys, leaf = _all_keys(), key.rpartition(".")[2]
+    close = ([k for k in keys if k.endswith("." + key)] or [k for k in keys if k.rpartition(".")[2] == leaf]
+             or [k for k in keys if k.startswith(key)] or difflib.get_close_matches(key, keys, n=1, cutoff=0.8))
+    hint = f"did you mean {' or '.join(close[:3])}?" if close else "docs/configuration.md lists every key"
+    return f"no such setting; {hint}"
+
+
 def _refuse_numbers_as_switches(node, where: str = "") -> None:
     """A switch (a bool key) given a whole number other than 0 or 1 (`model.remat=5`, `remat: 2` in a YAML file) is
     refused in one line: OmegaConf reads any such number as true, which hides a key given a count by mistake."""
@@ -572,6 +594,9 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
                 key, why = getattr(e, "full_key", None) or "config", str(e).splitlines()[0]
                 if why.startswith("Incompatible value 'None'"):  # `steps:` with nothing after it: YAML's null
                     why = f"no value; write one after the colon (`{key.split('.')[-1]}: ...`)"
+                elif why.startswith("Key '") and " not in " in why:
+                    key = next((k for k in _keys(preset_cfg, groups=False) if k.startswith(key + ".")), key)
+                    why = _unknown_key(key)
                 raise ConfigError(f"{key} in {preset}: {why}") from None
         check_syntax(overrides)
         overrides = _upgrade_overrides(overrides)
@@ -592,6 +617,10 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
             why = "the value reads as YAML structure (a 'name: value' pair or a list), not text; quote or complete it"
         elif why.startswith("Incompatible value 'None'"):  # `workdir=`: OmegaConf reads an empty value as null
             why = f"no value after '='; give one, e.g. {key}=..." if key else "a setting is empty; give it a value"
+        elif key and why.startswith("Key '") and " not in " in why:  # OmegaConf: "Key 'x' not in 'Config'"
+            # (it names the first unknown part: `lora` of `lora.rank`; the message names the key as given)
+            key = next((k for k in map(override_key, overrides) if k == key or k.startswith(key + ".")), key)
+            why = _unknown_key(key)
         raise ConfigError(f"{key or 'config'}: {why}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None

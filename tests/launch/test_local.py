@@ -185,7 +185,7 @@ def test_launch_flags_out_of_range_are_one_line(flags, says, capsys):
 
 
 @pytest.mark.parametrize("command, says", [
-    (["train", "nosuchkey=1"], "nosuchkey: Key 'nosuchkey' not in 'Config'"),
+    (["train", "nosuchkey=1"], "nosuchkey: no such setting"),
     (["train", "task=nosuchmodule:Task"], "task: task 'nosuchmodule:Task': cannot import module 'nosuchmodule'"),
     # the job's devices: 3 processes x 2
     (["train", "mesh.fsdp=4"], "mesh: data=-1 x fsdp=4 does not divide the 6 devices"),

@@ -129,7 +129,7 @@ def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
     (["train", "steps=abc"], "python -m metatrain.launch.tpu: error: the metatrain command after --: steps: Value "
                              "'abc' of type 'str' could not be converted to Integer"),
     (["train", "maml", "model.d_modle=64"], "python -m metatrain.launch.tpu: error: the metatrain command after --: "
-                                            "model.d_modle: Key 'd_modle' not in 'ModelConfig'"),
+                                            "model.d_modle: no such setting; did you mean model.d_model?"),
     (["pretrain", "nosuchpreset"], "python -m metatrain.launch.tpu: error: the metatrain command after --: preset: "
                                    "no config 'nosuchpreset'"),
     (["train", "task=mytask:Mine"], "python -m metatrain.launch.tpu: error: the metatrain command after --: task: "

@@ -105,7 +105,12 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("eval_batches=0", "eval_batches: must be >= 1"),
     ("steps=0", "steps: must be >= 1"),
     # and the earlier ones
-    ("model.dmodel=3", "model.dmodel: Key 'dmodel' not in 'ModelConfig'"),
+    # an unknown key names the one it most likely meant (OmegaConf's "Key 'dmodel' not in 'ModelConfig'" before)
+    ("model.dmodel=3", "model.dmodel: no such setting; did you mean model.d_model?"),
+    ("state_dtype=bfloat16", "state_dtype: no such setting; did you mean metagrad.state_dtype?"),
+    ("lora.rank=4", "lora.rank: no such setting; did you mean inner.lora.rank?"),
+    ("data.shuffle=8", "data.shuffle: no such setting; did you mean data.shuffle_window?"),
+    ("nosuch.key=1", "nosuch.key: no such setting; docs/configuration.md lists every key"),
     ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
     ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
     ("metagrad.mode=fast", "metagrad.mode: 'fast' is not one of"),
@@ -208,7 +213,8 @@ def test_a_flag_out_of_its_range_is_refused(capsys, argv, message):
      "preset: my.yaml is not valid YAML (line 4, column 3: found duplicate key n_layers)"),
     (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
     (b"\xff\xfe task: maml", "preset: my.yaml is not UTF-8 text (byte 0xff at position 0)"),
-    (b"nosuch: 3\n", "nosuch in my.yaml: Key 'nosuch' not in 'Config'"),
+    (b"nosuch: 3\n", "nosuch in my.yaml: no such setting; docs/configuration.md lists every key"),
+    (b"lora:\n  rank: 2\n", "lora.rank in my.yaml: no such setting; did you mean inner.lora.rank?"),
     (b"model: 3\n", "model in my.yaml: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
     (b"inner:\n  lora: 4\n", "inner.lora in my.yaml: a group of settings, not a value"),
     (b"steps:\n", "steps in my.yaml: no value; write one after the colon (`steps: ...`)"),
