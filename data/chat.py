@@ -212,6 +212,8 @@ def check(messages, where: str = "") -> None:
     """A conversation is a list of {role, content} with known roles; content is text, a list of text parts
     (`{"type": "text", "text": ...}`, joined), or null beside `tool_calls`. Anything else is refused in one line."""
     where = where or "a conversation"
+    if isinstance(messages, dict) and "role" in messages:
+        raise DataError(f"{where}: one message, not a conversation; give a list of messages, [{{role, content}}, ...]")
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
@@ -263,4 +265,5 @@ def encode(messages: list[dict], tokenizer: str, add_generation_prompt: bool = F
     if not tokenizer.startswith(HF_PREFIX):
         raise ConfigError(f"tokenizer {tokenizer!r}: chat needs a model's tokenizer and template, hf:DIR")
     directory = paths.local(tokenizer[len(HF_PREFIX):])
+    messages = list(messages) if isinstance(messages, tuple) else messages
     return _template(directory, chat_template).encode(messages, add_generation_prompt, where)

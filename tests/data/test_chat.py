@@ -106,10 +106,19 @@ def test_a_tokenizer_dir_under_home_is_found(tmp_path, monkeypatch):
     assert chat.encode(messages, "hf:~/tok") == chat.encode(messages, f"hf:{tmp_path / 'tok'}")
 
 
+def test_a_tuple_of_messages_is_a_conversation(tmp_path):
+    """A tuple was refused as "messages must be a non-empty list"."""
+    _tokenizer(tmp_path, "chatml", CHATML)
+    messages = _conversations()[0]
+    assert chat.encode(tuple(messages), f"hf:{tmp_path}") == chat.encode(messages, f"hf:{tmp_path}")
+
+
 def test_bad_conversations_are_one_line(tmp_path):
     _tokenizer(tmp_path, "chatml", CHATML)
     for messages, says in (([{"role": "user"}], "message 0 needs a 'role' and a 'content'"),
-                           ([{"role": "robot", "content": "hi"}], "role 'robot'"), ([], "non-empty list")):
+                           ([{"role": "robot", "content": "hi"}], "role 'robot'"), ([], "non-empty list"),
+                           # one message, not wrapped in a list: "messages must be a non-empty list" before
+                           ({"role": "user", "content": "hi"}, "one message, not a conversation; give a list")):
         with pytest.raises(DataError) as e:
             chat.encode(messages, f"hf:{tmp_path}")
         assert says in str(e.value) and "\n" not in str(e.value)
