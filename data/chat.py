@@ -84,7 +84,7 @@ def read_template(directory: str, path: str = "", flag: str = "data.chat_templat
     if not isinstance(template, str):
         raise ConfigError(f"{directory} has no chat template (chat_template.jinja, or chat_template in "
                           "tokenizer_config.json); give a template file: data.chat_template=PATH to train, "
-                          "--chat-template PATH to generate or for data stats")
+                          "--chat-template PATH to generate or for data stats, chat_template=PATH in chat.encode")
     return template
 
 

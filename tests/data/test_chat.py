@@ -1,6 +1,7 @@
 """Chat templates: metatrain's token ids and assistant masks against transformers' apply_chat_template, for a
 ChatML-style and a Llama-3-style template (and ChatML with {% generation %} markers)."""
 
+import json
 import random
 
 import pytest
@@ -133,3 +134,22 @@ def test_a_tokenizer_dir_that_is_missing_or_has_no_tokenizer_json_is_named(tmp_p
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="empty: no tokenizer.json in it; give a Hugging Face model dir"):
         chat.encode(messages, tokenizer=f"hf:{tmp_path / 'empty'}")
+
+
+def test_a_dir_without_a_template_names_how_to_give_one_here(tmp_path):
+    """The message named the commands' ways only (data.chat_template=, --chat-template) for a chat.encode call; a
+    template given as chat_template= is then used."""
+    _tokenizer(tmp_path / "tok", "chatml", CHATML)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):  # where transformers may have saved the template
+        path = tmp_path / "tok" / name
+        if name.endswith(".jinja"):
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "chat_template"}))
+    messages = _conversations()[1]
+    with pytest.raises(ConfigError, match="has no chat template .*chat_template=PATH in chat.encode"):
+        chat.encode(messages, f"hf:{tmp_path / 'tok'}")
+    (tmp_path / "t.jinja").write_text(CHATML)
+    _tokenizer(tmp_path / "with", "chatml", CHATML)
+    assert chat.encode(messages, f"hf:{tmp_path / 'tok'}", chat_template=str(tmp_path / "t.jinja")) == \
+        chat.encode(messages, f"hf:{tmp_path / 'with'}")
