@@ -219,20 +219,35 @@ class _Tensors:
         return tensor
 
 
+PARAM_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def _dtype_name(dtype) -> str:
+    """The name of a parameter dtype given by name (`"bfloat16"`) or as a NumPy/JAX dtype (`jnp.bfloat16`)."""
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name if dtype is not None else None
+    except TypeError:
+        name = None
+    if name not in PARAM_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(PARAM_DTYPES)} (a name or a NumPy/JAX dtype), got "
+                          f"{dtype!r}")
+    return name
+
+
 def read(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """The architecture and parameters of a local Hugging Face model dir.
 
     Args:
       directory: a `llama` or `qwen2` model dir (`~` is expanded).
-      dtype: the parameters' dtype.
+      dtype: the parameters' dtype: float32, float64 or bfloat16, by name or as a NumPy/JAX dtype.
 
     Returns:
       (`ModelConfig`, the parameters as a pure dict of `Transformer(cfg)`'s state).
     """
     from metatrain import models
 
-    directory = os.path.expanduser(directory)
-
+    directory, dtype = os.path.expanduser(directory), _dtype_name(dtype)
+    models.require_float64({"dtype": dtype})
     hf = read_config(directory)
     cfg = config_from_hf(hf, os.path.join(directory, "config.json")).replace(param_dtype=dtype)
     tensors = _Tensors(directory)
@@ -347,7 +362,7 @@ def load(directory: str, dtype: str = "float32") -> Transformer:
 
     Args:
       directory: a dir with `config.json` and `model.safetensors` (or a sharded index); `~` is expanded.
-      dtype: the parameters' dtype.
+      dtype: the parameters' dtype: float32, float64 or bfloat16, by name or as a NumPy/JAX dtype.
 
     Returns:
       The NNX model. With int tokens [batch, seq], `model(tokens)` gives logits [batch, seq, vocab], and

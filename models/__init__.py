@@ -6,7 +6,15 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from metatrain.models.config import LADDER, PRETRAINED_SHAPES, SMALL_PRESETS, ModelConfig, param_count, preset
+from metatrain.models.config import (
+    LADDER,
+    PRETRAINED_SHAPES,
+    SMALL_PRESETS,
+    ModelConfig,
+    param_count,
+    preset,
+    require_float64,
+)
 from metatrain.models.lora import LoRAConfig, split_adapters
 from metatrain.models.transformer import Transformer, loss_targets, next_token_loss
 
@@ -25,4 +33,4 @@ def abstract_init(cfg: ModelConfig, lora: LoRAConfig | None = None) -> tuple[nnx
 
 
 __all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "LoRAConfig", "ModelConfig", "Transformer", "abstract_init",
-           "init", "loss_targets", "next_token_loss", "param_count", "preset", "split_adapters"]
+           "init", "loss_targets", "next_token_loss", "param_count", "preset", "require_float64", "split_adapters"]

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import math
 
+import jax
 import jax.numpy as jnp
 
 from metatrain.errors import ConfigError
@@ -49,7 +50,7 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm's epsilon
     remat: bool = False  # rematerialise each block in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name
-    param_dtype: str = "float32"  # the dtype parameters are stored and updated in (float32, bfloat16, float64)
+    param_dtype: str = "float32"  # dtype of the parameters: float32, bfloat16, float64 (needs JAX_ENABLE_X64=1)
     compute_dtype: str = ""  # matmuls and activations ("" = param_dtype); softmax and losses stay >= float32
     attention: str = "dense"  # dense | blockwise (online softmax over key blocks: no [batch, heads, S, S])
     attention_block: int = 512  # query and key block size of blockwise attention
@@ -135,6 +136,24 @@ class ModelConfig:
                                   + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
                                      f"; its fields: {', '.join(fields)}"))
         return dataclasses.replace(self, **changes)
+
+
+def require_float64(dtypes: dict[str, str]) -> None:
+    """Refuse float64 where JAX's 64-bit mode is off: JAX would make every float64 array float32 without a word.
+
+    Args:
+      dtypes: the dtype each setting asks for, by the setting's name (`{"model.param_dtype": "float64"}`).
+
+    Raises:
+      ConfigError: the first setting that asks for float64, and how to turn the mode on.
+    """
+    if jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64)) == jnp.float64:  # on (also inside jax.enable_x64)
+        return
+    for name, dtype in dtypes.items():
+        if dtype == "float64":
+            raise ConfigError(f"{name}=float64 needs JAX's 64-bit mode, which is off: run with JAX_ENABLE_X64=1 (or "
+                              "jax.config.update('jax_enable_x64', True) before anything else); without it JAX "
+                              "computes in float32")
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -14,7 +14,7 @@ from helpers import HF_VOCAB as VOCAB  # noqa: N811
 from helpers import make_hf_checkpoint, one_line_error
 
 from metatrain import cli, export, hf
-from metatrain.errors import DataError
+from metatrain.errors import ConfigError, DataError
 from metatrain.run import Run
 
 torch = pytest.importorskip("torch", reason="the hf test extra (pip install -e '.[hf]') is not installed")
@@ -185,6 +185,25 @@ def test_hf_load_expands_home_and_names_a_file_given_for_the_dir(checkpoints, tm
     for name in ("config.json", "model.safetensors"):
         with pytest.raises(DataError, match=f"{name} is a file; give the Hugging Face model dir that holds it"):
             hf.load(str(directory / name))
+
+
+def test_hf_load_takes_a_dtype_by_name_or_as_a_jax_dtype(checkpoints):
+    """`hf.load(d, dtype=jnp.bfloat16)` was "model.param_dtype must be float32, float64 or bfloat16, got <class
+    'jax.numpy.bfloat16'>", naming a config key the caller never gave."""
+    import jax
+    import jax.numpy as jnp
+
+    directory = str(next(iter(checkpoints.values()))[0])
+    for dtype, x64 in ((jnp.bfloat16, False), (np.float32, False), ("float64", True)):
+        with jax.enable_x64(x64):
+            model = hf.load(directory, dtype=dtype)
+        assert model.cfg.param_dtype == np.dtype(dtype).name and model.embed.value.dtype == np.dtype(dtype)
+    for dtype in ("bf16", jnp.int8, None):
+        with pytest.raises(ConfigError, match=r"^dtype must be one of float32, float64, bfloat16 \(a name or a "):
+            hf.load(directory, dtype=dtype)
+    # float64 without JAX's 64-bit mode: float32 parameters, without a word
+    with pytest.raises(ConfigError, match=r"^dtype=float64 needs JAX's 64-bit mode, which is off: run with JAX_"):
+        hf.load(directory, dtype="float64")
 
 
 def test_an_import_the_disk_refuses_is_one_line_and_leaves_nothing(checkpoints, tmp_path):

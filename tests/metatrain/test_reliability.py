@@ -137,6 +137,11 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("model.remat=5", "model.remat: 5 is not true or false; write model.remat=true or model.remat=false"),
     ("meta_opt.offload_moments=-1", "meta_opt.offload_moments: -1 is not true or false; write "
                                     "meta_opt.offload_moments=true or meta_opt.offload_moments=false"),
+    # float64 without JAX's 64-bit mode (off in the test processes): JAX made every array float32, and the run
+    # trained and saved float32 parameters without a word
+    ("model.param_dtype=float64", "model.param_dtype=float64 needs JAX's 64-bit mode, which is off: run with "
+                                  "JAX_ENABLE_X64=1"),
+    ("model.compute_dtype=float64", "model.compute_dtype=float64 needs JAX's 64-bit mode"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_runs(tmp_path, capsys, override, message):
     code, _, err = _train([f"workdir={tmp_path / 'run'}", override], capsys)
