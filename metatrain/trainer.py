@@ -95,7 +95,11 @@ class Trainer:
         if cfg.meta_model.init_from:
             self.state = self._load_scorer(cfg.meta_model.init_from)
         self._check_base(record=False)  # other base weights than the adapters trained on: refused before compiling
+        if self.is_main:  # seconds on a tiny model, minutes on a large one: said before, and how long after
+            tqdm.write("compiling the outer step ...", file=sys.stderr)
+        started = time.monotonic()
         self.program, self.compiled = self._compile(self.program)
+        self.compile_seconds = time.monotonic() - started
         self.memory = compiled_memory(self.compiled)
         check_fits(self.memory, self.mesh.devices.flat)  # before the first step allocates its temporaries
         if self.is_main:

@@ -107,17 +107,18 @@ def fake_wandb(log_path):
 def _run_shared(root):
     from metatrain import cli
 
-    workdir, out = os.path.join(root, "run"), io.StringIO()
-    with fake_wandb(os.path.join(root, "wandb.jsonl")), contextlib.redirect_stdout(out):
+    workdir, out, err = os.path.join(root, "run"), io.StringIO(), io.StringIO()
+    with (fake_wandb(os.path.join(root, "wandb.jsonl")), contextlib.redirect_stdout(out),
+          contextlib.redirect_stderr(err)):
         code = cli.main(["train", *SHARED_RUN, f"workdir={workdir}"])
-    assert code == 0, out.getvalue()[-3000:]
+    assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
     with open(os.path.join(root, "result.json"), "w") as f:
-        json.dump({"stdout": out.getvalue()}, f)
+        json.dump({"stdout": out.getvalue(), "stderr": err.getvalue()}, f)
 
 
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory):
-    """{"workdir", "stdout", "wandb"} of the shared tiny run (made once per test session, also under xdist).
+    """{"workdir", "stdout", "stderr", "wandb"} of the shared tiny run (made once per test session, also under xdist).
     Tests must not change its work dir: copy it first."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_run"  # one for all workers
@@ -127,4 +128,5 @@ def shared_run(tmp_path_factory):
         if not (root / "result.json").exists():
             _run_shared(str(root))
     result = json.loads((root / "result.json").read_text())
-    return {"workdir": root / "run", "stdout": result["stdout"], "wandb": root / "wandb.jsonl"}
+    return {"workdir": root / "run", "stdout": result["stdout"], "stderr": result["stderr"],
+            "wandb": root / "wandb.jsonl"}

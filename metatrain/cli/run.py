@@ -88,8 +88,9 @@ def cmd_train(args) -> int:
         print(f"{what} in {cfg.workdir}, {trainer.mesh.shape['data']}x{trainer.mesh.shape['fsdp']} "
               f"(data x fsdp) {trainer.mesh.devices.flat[0].device_kind} devices, {joined}"
               + (f", inner model from {cfg.inner.init_from}" if cfg.inner.init_from else ""))
-        print(f"outer step compiled: peak {m['peak_bytes'] / 2**20:,.1f} MiB per device (arguments "
-              f"{m['argument_bytes'] / 2**20:,.1f}, temporaries {m['temp_bytes'] / 2**20:,.1f})", flush=True)
+        print(f"outer step compiled in {trainer.compile_seconds:.1f} s: peak {m['peak_bytes'] / 2**20:,.1f} MiB per "
+              f"device (arguments {m['argument_bytes'] / 2**20:,.1f}, temporaries {m['temp_bytes'] / 2**20:,.1f})",
+              flush=True)
     summary = trainer.train()
     if trainer.is_main:
         log_dir = workdir_lib.log_dir(cfg.workdir)

@@ -64,6 +64,16 @@ def test_closing_lines_match_an_independent_evaluation(shared_run):
     assert abs(start - np.log(model.vocab_size)) < 0.5  # a fresh model: about uniform next-token guesses
 
 
+def test_the_compile_is_said_before_it_starts_and_timed_after(shared_run):
+    """Nothing was printed while the outer step compiled (seconds here, minutes for a large model): the run was silent
+    from its start to its first lines."""
+    err, out = shared_run["stderr"].splitlines(), shared_run["stdout"].splitlines()
+    plan = next(i for i, line in enumerate(err) if line.startswith("meta-gradient: "))
+    assert "compiling the outer step ..." in err and err.index("compiling the outer step ...") < plan
+    compiled = [line for line in out if line.startswith("outer step compiled in ")]
+    assert len(compiled) == 1 and float(compiled[0].split()[4]) > 0, compiled
+
+
 def test_evaluation_rows_match_an_independent_evaluation(shared_run):
     """The step-4 evaluation row: the closing lines' figures, and weight statistics recomputed from the state."""
     lines = _lines(shared_run["stdout"])
