@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from metatrain.models import decode, grad_seed
@@ -335,6 +336,9 @@ class Transformer(nnx.Module):
         loss_mask) [batch, seq + 1], predicting tokens[:, 1:] from tokens[:, :-1]. The mean is over the targets
         that are not padding and, with `loss_mask`, are marked 1 there (a conversation's assistant tokens). With
         `loss_chunk` > 0 the logits are made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
+        if isinstance(tokens, (list, tuple)):
+            tokens = jnp.asarray(tokens)
+        self._check_ids(tokens)  # the targets too
         cut = lambda a, sl: None if a is None else a[:, sl]
         inputs = (tokens[:, :-1], cut(segment_ids, slice(None, -1)), cut(positions, slice(None, -1)))
         targets = loss_targets(segment_ids, loss_mask)
@@ -343,6 +347,17 @@ class Transformer(nnx.Module):
         return chunked_next_token_loss(self.features(*inputs), self.unembedding, tokens[:, 1:], targets,
                                        self.cfg.loss_chunk)
 
+    def _check_ids(self, tokens) -> None:
+        """Called eagerly (under jit the ids are not known, and nothing is checked), ids outside the vocabulary are
+        refused: an id past the embedding gave NaN logits (JAX's gather fills), a negative one a row counted from
+        the end, and neither said why."""
+        if tokens.size and not isinstance(tokens, jax.core.Tracer):  # (in NumPy: jnp.min would be traced under jit)
+            ids = np.asarray(tokens)
+            lo, hi, vocab = int(ids.min()), int(ids.max()), self.cfg.vocab_size
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"token id {hi if hi >= vocab else lo} is outside the model's vocabulary "
+                                 f"[0, {vocab}); encode with the model's own tokenizer")
+
     def features(self, tokens, segment_ids=None, positions=None):
         """The final normalised hidden states, [batch, seq, d_model]."""
         if isinstance(tokens, (list, tuple)):
@@ -350,6 +365,7 @@ class Transformer(nnx.Module):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):  # (static: no cost under jit)
             raise ValueError(f"the model takes token ids, integers [batch, seq]; got {tokens.dtype} of shape "
                              f"{tuple(tokens.shape)}")
+        self._check_ids(tokens)
         b, s = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)

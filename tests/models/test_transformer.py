@@ -208,6 +208,21 @@ def test_chunked_loss_equals_whole_sequence_logits_with_its_derivatives():
         assert not jnp.allclose(loss(graphdef, theta), loss(graphdef, jax.tree.map(lambda x, y: x + y, theta, v)))
 
 
+def test_ids_outside_the_vocabulary_are_refused_when_the_model_is_called_eagerly():
+    """An id past the embedding gave NaN logits (JAX's gather fills), a negative one the logits of the id counted from
+    the end, and neither said why. Under jit the ids are not known and nothing is checked (or paid)."""
+    model = models.Transformer(models.ModelConfig(vocab_size=32, d_model=16, n_heads=2, d_ff=32, n_layers=1),
+                               rngs=nnx.Rngs(params=0))
+    for tokens, bad in (([[1, 32]], 32), (np.array([[-1, 2]]), -1), (jnp.array([[5, 400]]), 400)):
+        with pytest.raises(ValueError, match=re.escape(f"token id {bad} is outside the model's vocabulary [0, 32)")):
+            model(tokens)
+    with pytest.raises(ValueError, match="token id 32 is outside"):
+        model.example_losses(jnp.array([[1, 2, 32]]))
+    assert model([[0, 31]]).shape == (1, 2, 32)
+    wrapped = jax.jit(lambda t: model(t))(jnp.array([[1, -1]]))  # jit: the gather as before
+    assert np.allclose(wrapped, model([[1, 31]]), atol=1e-6)
+
+
 def test_loss_chunk_must_not_be_negative():
     with pytest.raises(ConfigError, match="loss_chunk"):
         models.preset("tiny", loss_chunk=-1)
