@@ -439,7 +439,7 @@ def _field_type(key: str):
 
 
 @functools.cache
-def _all_keys(cls: type = None, prefix: str = "") -> tuple[str, ...]:
+def _all_keys(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
     """Every settable dotted key of the config (its values', not its groups')."""
     out = []
     for name, kind in _field_types(cls or Config).items():

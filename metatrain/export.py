@@ -26,7 +26,7 @@ from metatrain import hf, paths
 from metatrain.checkpoints import first_layout_difference, leaf_shapes, save_params
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
-from metatrain.models import ModelConfig
+from metatrain.models import ModelConfig, require_float64
 from metatrain.run import Checkpoint, Run, on_one_device
 
 
@@ -232,6 +232,9 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     paths.output_dir(out, "export --out", not_written_here, overwrite, source=(src, "the source"))
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
+    if exported.model is not None:
+        require_float64({f"{src}: model.param_dtype": exported.model.param_dtype},
+                        "the export would hold float32 parameters")
     if fmt == "hf" and not adapters and exported.model is None:
         raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
                           f"use --format orbax")

@@ -138,11 +138,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def require_float64(dtypes: dict[str, str]) -> None:
+def require_float64(dtypes: dict[str, str], without: str = "JAX computes in float32") -> None:
     """Refuse float64 where JAX's 64-bit mode is off: JAX would make every float64 array float32 without a word.
 
     Args:
       dtypes: the dtype each setting asks for, by the setting's name (`{"model.param_dtype": "float64"}`).
+      without: what happens without the mode, for the message.
 
     Raises:
       ConfigError: the first setting that asks for float64, and how to turn the mode on.
@@ -152,8 +153,7 @@ def require_float64(dtypes: dict[str, str]) -> None:
     for name, dtype in dtypes.items():
         if dtype == "float64":
             raise ConfigError(f"{name}=float64 needs JAX's 64-bit mode, which is off: run with JAX_ENABLE_X64=1 (or "
-                              "jax.config.update('jax_enable_x64', True) before anything else); without it JAX "
-                              "computes in float32")
+                              f"jax.config.update('jax_enable_x64', True) before anything else); without it {without}")
 
 
 def param_count(cfg: ModelConfig) -> int:

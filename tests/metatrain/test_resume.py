@@ -22,6 +22,9 @@ from helpers import (
     train,
 )
 
+from metatrain import export
+from metatrain.errors import ConfigError
+
 pytestmark = pytest.mark.slow
 NO_WANDB = "log.wandb=false"  # subprocess runs of the shared run's config log nowhere else
 
@@ -83,4 +86,10 @@ def test_eight_devices_agree_with_one_and_restore_onto_one(tmp_path):
     assert res.returncode == 0 and "from step 2" in res.stdout, res.stderr[-3000:]
     for key in ("meta", "inner", "base"):
         assert_same_float64(reference[key], saved_float64_state(moved, 4)[key], f"8 devices -> 1, {key}")
+    # exported where JAX's 64-bit mode is off (this process), the float64 run is refused: the export held float32
+    # parameters under an export.json saying float64
+    with pytest.raises(ConfigError, match=r"model.param_dtype=float64 needs JAX's 64-bit mode, which is off: run with "
+                                          r"JAX_ENABLE_X64=1 .* without it the export would hold float32 parameters"):
+        export.export(str(one), str(tmp_path / "exported"))
+    assert not (tmp_path / "exported").exists()
 
