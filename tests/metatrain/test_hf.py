@@ -197,7 +197,7 @@ def test_hf_load_takes_a_dtype_by_name_or_as_a_jax_dtype(checkpoints):
     for dtype, x64 in ((jnp.bfloat16, False), (np.float32, False), ("float64", True)):
         with jax.enable_x64(x64):
             model = hf.load(directory, dtype=dtype)
-        assert model.cfg.param_dtype == np.dtype(dtype).name and model.embed.value.dtype == np.dtype(dtype)
+        assert model.cfg.param_dtype == np.dtype(dtype).name and model.embed[...].dtype == np.dtype(dtype)
     for dtype in ("bf16", jnp.int8, None):
         with pytest.raises(ConfigError, match=r"^dtype must be one of float32, float64, bfloat16 \(a name or a "):
             hf.load(directory, dtype=dtype)
