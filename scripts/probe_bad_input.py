@@ -244,7 +244,7 @@ def probes(f: dict) -> list[Probe]:
     source("empty dir", ("dir:e", lambda d: (d / "e").mkdir()), "no files")
     source("dangling links", ("dir:e", lambda d: ((d / "e").mkdir(), [os.symlink(d / f"x{i}", d / "e" / f"l{i}")
                                                                     for i in range(5)])), "dangling")
-    source("not UTF-8", ("dir:e", lambda d: ([write(d / "e" / f"{i}.txt", b"\xff\xfe bad") for i in range(12)])),
+    source("not UTF-8", ("dir:e", lambda d: ([write(d / "e" / f"{i}.txt", b"\x80\x81 bad") for i in range(12)])),
            "not UTF-8")
     source("hf-disk without state.json", ("hf-disk:e", lambda d: (d / "e").mkdir()), "state.json")
     source("hf-disk broken state.json", ("hf-disk:e", lambda d: write(d / "e" / "state.json", '{"_data')),
