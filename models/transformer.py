@@ -351,7 +351,8 @@ class Transformer(nnx.Module):
         """Called eagerly (under jit the ids are not known, and nothing is checked), ids outside the vocabulary are
         refused: an id past the embedding gave NaN logits (JAX's gather fills), a negative one a row counted from
         the end, and neither said why."""
-        if tokens.size and not isinstance(tokens, jax.core.Tracer):  # (in NumPy: jnp.min would be traced under jit)
+        # in NumPy (jnp.min would be traced under jit); an array split over other hosts' devices is not read
+        if tokens.size and not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
             ids = np.asarray(tokens)
             lo, hi, vocab = int(ids.min()), int(ids.max()), self.cfg.vocab_size
             if lo < 0 or hi >= vocab:
