@@ -135,9 +135,14 @@ def _merged(cfg, model: ModelConfig, adapters):
     return state
 
 
+FLOAT32_EXPORT = "the export would hold float32 parameters"  # without JAX's 64-bit mode, of a float64 model
+
+
 def _from_workdir(workdir: str, what: str | None, adapters: bool = False, command: str = "export") -> Exported:
     run = Run.open(workdir)  # its config as it ran: the data sources may be gone
     cfg, model, saved = run.cfg, run.model, run.saved
+    if command == "export":  # before anything is read in float32
+        require_float64({f"{workdir}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
     info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
     if not cfg.data.tokenizer.startswith(HF_PREFIX):  # a tiktoken encoding: its name and the vocabulary it was cut to
         info.update(tokenizer=cfg.data.tokenizer, tokenizer_vocab_size=cfg.data.vocab_size)
@@ -187,9 +192,11 @@ def _from_export_dir(path: str, what: str | None, command: str = "export") -> Ex
     if what not in (None, held):
         raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}; give the run's "
                           f"work dir, or an export made with --what {what}")
+    model = ModelConfig(**info["model"]) if info.get("model") else None
+    if command == "export" and model is not None:
+        require_float64({f"{path}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"))
-    model = ModelConfig(**info["model"]) if info.get("model") else None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         info["tokenizer_dir"] = path
     return Exported(params, model, info)
@@ -232,9 +239,6 @@ def export(src: str, out: str | None = None, what: str | None = None, fmt: str =
     paths.output_dir(out, "export --out", not_written_here, overwrite, source=(src, "the source"))
     exported = read_source(src, what or ("inner" if fmt == "hf" or adapters else None), adapters)
     info = exported.info
-    if exported.model is not None:
-        require_float64({f"{src}: model.param_dtype": exported.model.param_dtype},
-                        "the export would hold float32 parameters")
     if fmt == "hf" and not adapters and exported.model is None:
         raise ConfigError(f"export --format hf: η of task {info.get('task')!r} is not a language model; "
                           f"use --format orbax")
