@@ -31,7 +31,7 @@ from metatrain.checkpoints import Checkpoints, WriteFailed
 from metatrain.config import AUTO, Config
 from metatrain.data.pipeline import Streams, device_features, to_global
 from metatrain.errors import ConfigError, StoppedBySignal, TrainingError
-from metatrain.models import require_float64
+from metatrain.models import dtype_settings, require_float64
 from metatrain.sharding import abstract, batch_sharding, check_batch, make_mesh, replicated
 from metatrain.tasks import validate
 from metatrain.tasks.weight_eval import EvalContext
@@ -64,7 +64,7 @@ class Trainer:
     kind = "meta-train"
 
     def __init__(self, cfg: Config, *, show_progress: bool = True):
-        require_float64({f"model.{k}": getattr(cfg.model, k) for k in ("param_dtype", "compute_dtype")})
+        require_float64(dtype_settings(cfg.model))
         self.is_main = jax.process_index() == 0
         self.lock = workdir_lib.Lock(cfg.workdir).acquire() if self.is_main else None  # before any compile
         try:

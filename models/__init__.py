@@ -11,6 +11,7 @@ from metatrain.models.config import (
     PRETRAINED_SHAPES,
     SMALL_PRESETS,
     ModelConfig,
+    dtype_settings,
     param_count,
     preset,
     require_float64,
@@ -33,4 +34,5 @@ def abstract_init(cfg: ModelConfig, lora: LoRAConfig | None = None) -> tuple[nnx
 
 
 __all__ = ["LADDER", "PRETRAINED_SHAPES", "SMALL_PRESETS", "LoRAConfig", "ModelConfig", "Transformer", "abstract_init",
-           "init", "loss_targets", "next_token_loss", "param_count", "preset", "require_float64", "split_adapters"]
+           "dtype_settings", "init", "loss_targets", "next_token_loss", "param_count", "preset", "require_float64",
+           "split_adapters"]

@@ -138,6 +138,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def dtype_settings(cfg: ModelConfig, prefix: str = "model.") -> dict[str, str]:
+    """The model's dtype settings by their keys (`{"model.param_dtype": ..., "model.compute_dtype": ...}`), for
+    `require_float64`."""
+    return {f"{prefix}{name}": getattr(cfg, name) for name in ("param_dtype", "compute_dtype")}
+
+
 def require_float64(dtypes: dict[str, str], without: str = "JAX computes in float32") -> None:
     """Refuse float64 where JAX's 64-bit mode is off: JAX would make every float64 array float32 without a word.
 

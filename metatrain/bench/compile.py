@@ -22,13 +22,13 @@ from metatrain import step as step_lib
 from metatrain.aot import compile_exact, compiled_memory, topology_backend, topology_devices
 from metatrain.config import Config
 from metatrain.errors import ConfigError
-from metatrain.models import require_float64
+from metatrain.models import dtype_settings, require_float64
 from metatrain.sharding import make_mesh
 
 
 def program_for(cfg: Config, topology: str | None = None) -> tuple[step_lib.Program, float | None]:
     """The run's meta-training program over this machine's devices or a topology's, and the memory per device."""
-    require_float64({f"model.{k}": getattr(cfg.model, k) for k in ("param_dtype", "compute_dtype")})
+    require_float64(dtype_settings(cfg.model))
     devices, hbm = topology_devices(topology) if topology else (jax.devices(), None)
     mesh = make_mesh(cfg.mesh, devices, population=cfg.population.size if cfg.population.axis else 0)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
