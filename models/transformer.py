@@ -338,7 +338,7 @@ class Transformer(nnx.Module):
         `loss_chunk` > 0 the logits are made `loss_chunk` positions at a time (`chunked_next_token_loss`)."""
         if isinstance(tokens, (list, tuple)):
             tokens = jnp.asarray(tokens)
-        self._check_ids(tokens)  # the targets too
+        self._check_ids(tokens[:, -1:])  # the last targets: the model's call checks the inputs, the other targets
         cut = lambda a, sl: None if a is None else a[:, sl]
         inputs = (tokens[:, :-1], cut(segment_ids, slice(None, -1)), cut(positions, slice(None, -1)))
         targets = loss_targets(segment_ids, loss_mask)
