@@ -472,6 +472,32 @@ def _refuse_numbers_as_switches(node, where: str = "") -> None:
             raise ConfigError(f"{key}{where}: {value} is not true or false; write {fix}")
 
 
+# OmegaConf's words for a value of the wrong type: "Value 'abc' of type 'str' could not be converted to Integer",
+# "Value 'maybe' is not a valid bool (type str)"
+_WRONG_TYPE = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (Integer|Float)"
+                         r"|is not a valid bool)")
+
+
+def _wrong_type(why: str, key: str, given: str | None, where: str = "") -> str:
+    """OmegaConf's message for a value of the wrong type, said as what the key takes (the value as the user wrote it,
+    where known); any other message unchanged."""
+    m = _WRONG_TYPE.match(why)
+    if not m or not key:
+        return why
+    value, kind = given or m.group(1), m.group(2)
+    try:  # a number as it is written, any other text quoted
+        float(value)
+    except ValueError:
+        value = repr(value)
+    if kind == "Integer":
+        return f"{value} is not a whole number; write it in digits, without a decimal point or exponent"
+    if kind == "Float":
+        return f"{value} is not a number"
+    leaf = key.rpartition(".")[2]
+    return f"{value} is not true or false; write " + (f"`{leaf}: true` or `{leaf}: false`" if where
+                                                        else f"{key}=true or {key}=false")
+
+
 def _keys(node, prefix: str = "", groups: bool = True) -> list[str]:
     """The dotted keys of a YAML mapping: its groups' and its values' (`groups=False`: its values' only)."""
     out = []
@@ -597,6 +623,8 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
                 elif why.startswith("Key '") and " not in " in why:
                     key = next((k for k in _keys(preset_cfg, groups=False) if k.startswith(key + ".")), key)
                     why = _unknown_key(key)
+                else:
+                    why = _wrong_type(why, key, None, f" in {preset}")
                 raise ConfigError(f"{key} in {preset}: {why}") from None
         check_syntax(overrides)
         overrides = _upgrade_overrides(overrides)
@@ -621,6 +649,8 @@ def _merged(preset: str | None, overrides: list[str]) -> tuple[Config, bool]:
             # (it names the first unknown part: `lora` of `lora.rank`; the message names the key as given)
             key = next((k for k in map(override_key, overrides) if k == key or k.startswith(key + ".")), key)
             why = _unknown_key(key)
+        else:
+            why = _wrong_type(why, key, given)
         raise ConfigError(f"{key or 'config'}: {why}") from None
     except (TypeError, ValueError) as e:  # the dataclasses' own checks (e.g. ModelConfig.__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None

@@ -126,8 +126,8 @@ def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
 
 
 @pytest.mark.parametrize("command, says", [
-    (["train", "steps=abc"], "python -m metatrain.launch.tpu: error: the metatrain command after --: steps: Value "
-                             "'abc' of type 'str' could not be converted to Integer"),
+    (["train", "steps=abc"], "python -m metatrain.launch.tpu: error: the metatrain command after --: steps: 'abc' "
+                             "is not a whole number"),
     (["train", "maml", "model.d_modle=64"], "python -m metatrain.launch.tpu: error: the metatrain command after --: "
                                             "model.d_modle: no such setting; did you mean model.d_model?"),
     (["pretrain", "nosuchpreset"], "python -m metatrain.launch.tpu: error: the metatrain command after --: preset: "

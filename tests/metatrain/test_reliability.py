@@ -111,7 +111,12 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("lora.rank=4", "lora.rank: no such setting; did you mean inner.lora.rank?"),
     ("data.shuffle=8", "data.shuffle: no such setting; did you mean data.shuffle_window?"),
     ("nosuch.key=1", "nosuch.key: no such setting; docs/configuration.md lists every key"),
-    ("steps=abc", "steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    # a value of the wrong type, said as what the key takes (OmegaConf's "Value 'abc' of type 'str' could not be
+    # converted to Integer" before; for 1e3: "Value '1000.0' of type 'float' ...")
+    ("steps=abc", "steps: 'abc' is not a whole number; write it in digits, without a decimal point or exponent"),
+    ("steps=1e3", "steps: 1e3 is not a whole number; write it in digits"),
+    ("inner_lr=1,2", "inner_lr: '1,2' is not a number"),
+    ("log.wandb=maybe", "log.wandb: 'maybe' is not true or false; write log.wandb=true or log.wandb=false"),
     ("task=nowhere.module:Task", "task: task 'nowhere.module:Task': cannot import module"),
     ("metagrad.mode=fast", "metagrad.mode: 'fast' is not one of"),
     ("data.seq_len=0", "data.seq_len must be > 0"),
@@ -223,6 +228,10 @@ def test_a_flag_out_of_its_range_is_refused(capsys, argv, message):
     (b"model: 3\n", "model in my.yaml: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
     (b"inner:\n  lora: 4\n", "inner.lora in my.yaml: a group of settings, not a value"),
     (b"steps:\n", "steps in my.yaml: no value; write one after the colon (`steps: ...`)"),
+    (b"steps: 1e3\n", "steps in my.yaml: 1000.0 is not a whole number; write it in digits, without a decimal point "
+                     "or exponent"),
+    (b"log:\n  wandb: maybe\n", "log.wandb in my.yaml: 'maybe' is not true or false; write `wandb: true` or "
+                               "`wandb: false`"),
     (None, "preset: my.yaml: no such file"),
 ])
 def test_a_bad_preset_file_is_a_one_line_error_naming_it(tmp_path, capsys, monkeypatch, content, message):
