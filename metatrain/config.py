@@ -456,7 +456,8 @@ def _unknown_key(key: str) -> str:
     keys, leaf = _all_keys(), key.rpartition(".")[2]
     close = ([k for k in keys if k.endswith("." + key)] or [k for k in keys if k.rpartition(".")[2] == leaf]
              or [k for k in keys if k.startswith(key)] or difflib.get_close_matches(key, keys, n=1, cutoff=0.8))
-    hint = f"did you mean {' or '.join(close[:3])}?" if close else "docs/configuration.md lists every key"
+    hint = f"did you mean {' or '.join(close[:3])}?" if close else ("`python -m metatrain.reference` lists every key "
+                                                                      "(docs/configuration.md)")
     return f"no such setting; {hint}"
 
 

@@ -110,7 +110,8 @@ def test_a_non_finite_update_never_reaches_the_state(update, finite):
     ("state_dtype=bfloat16", "state_dtype: no such setting; did you mean metagrad.state_dtype?"),
     ("lora.rank=4", "lora.rank: no such setting; did you mean inner.lora.rank?"),
     ("data.shuffle=8", "data.shuffle: no such setting; did you mean data.shuffle_window?"),
-    ("nosuch.key=1", "nosuch.key: no such setting; docs/configuration.md lists every key"),
+    ("nosuch.key=1", "nosuch.key: no such setting; `python -m metatrain.reference` lists every key "
+                     "(docs/configuration.md)"),
     # a value of the wrong type, said as what the key takes (OmegaConf's "Value 'abc' of type 'str' could not be
     # converted to Integer" before; for 1e3: "Value '1000.0' of type 'float' ...")
     ("steps=abc", "steps: 'abc' is not a whole number; write it in digits, without a decimal point or exponent"),
@@ -223,7 +224,8 @@ def test_a_flag_out_of_its_range_is_refused(capsys, argv, message):
      "preset: my.yaml is not valid YAML (line 4, column 3: found duplicate key n_layers)"),
     (b"- 1\n- 2\n", "preset: my.yaml holds a list, not a mapping of settings"),
     (b"\xff\xfe task: maml", "preset: my.yaml is not UTF-8 text (byte 0xff at position 0)"),
-    (b"nosuch: 3\n", "nosuch in my.yaml: no such setting; docs/configuration.md lists every key"),
+    (b"nosuch: 3\n", "nosuch in my.yaml: no such setting; `python -m metatrain.reference` lists every key "
+                    "(docs/configuration.md)"),
     (b"lora:\n  rank: 2\n", "lora.rank in my.yaml: no such setting; did you mean inner.lora.rank?"),
     (b"model: 3\n", "model in my.yaml: a group of settings, not a value; set its keys, e.g. model.vocab_size=..."),
     (b"inner:\n  lora: 4\n", "inner.lora in my.yaml: a group of settings, not a value"),
