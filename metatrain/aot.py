@@ -280,6 +280,9 @@ _CUBE_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 1
 _GRID_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
 
+PER_CORE_TYPES = ("v4", "v5p")  # generations whose accelerator types count TensorCores (two per chip), not chips
+
+
 def accelerator_chips(accelerator_type: str) -> tuple[str, int, str | None] | None:
     """(generation, chips, default shape or None) of a TPU accelerator type as gcloud names it (`v5p-16`: 16
     TensorCores, 8 chips, 2x2x2; `v5litepod-8`: v5e, 8 chips, 2x4); None for another name. JAX has one device per
@@ -288,7 +291,7 @@ def accelerator_chips(accelerator_type: str) -> tuple[str, int, str | None] | No
     chip = m and TYPE_GENERATIONS.get(m.group(1), m.group(1))
     if chip not in HBM_GIB:
         return None
-    per_core = chip in ("v4", "v5p")
+    per_core = chip in PER_CORE_TYPES
     chips = int(m.group(2)) // 2 if per_core else int(m.group(2))
     return chip, chips, (_CUBE_SHAPES if per_core else _GRID_SHAPES).get(chips)
 
@@ -299,7 +302,7 @@ def _accelerator_type_hint(topology: str) -> str | None:
     if found is None:
         return None
     (chip, chips, shape), n = found, int(topology.rsplit("-", 1)[1])
-    per_core = chip in ("v4", "v5p")
+    per_core = chip in PER_CORE_TYPES
     if shape is None:
         return (f"that looks like an accelerator type; --topology takes the slice's chips as GENERATION:AxB[xC], e.g. "
                 f"{chip}:{'2x2x1' if per_core else '2x4'}")

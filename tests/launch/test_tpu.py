@@ -125,6 +125,22 @@ def test_a_work_dir_the_launcher_would_wipe_is_refused(checkout, capsys):
     assert "is not a gs:// path: every worker must see the same folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("accelerator, says", [
+    ("v5p-7", "--accelerator-type v5p-7: no such slice; v5p types count TensorCores, two per chip (v5p-8: 4 chips)"),
+    ("v4-0", "--accelerator-type v4-0: no such slice; v4 types count TensorCores"),
+    ("v5litepod-0", "--accelerator-type v5litepod-0: no such slice; give its chips, e.g. v5litepod-8"),
+])
+def test_a_slice_that_cannot_exist_is_refused(accelerator, says, checkout, capsys):
+    """v5p-7 was read as 3 chips, had no default shape, and the mesh check was skipped; gcloud refused it at create."""
+    args = [accelerator if a == "v5p-16" else a for a in BASE]
+    with pytest.raises(SystemExit) as e:
+        tpu.main([*args, "--code", str(checkout), "--create", "--", "train"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2
+    assert err.strip().splitlines()[-1].startswith(f"python -m metatrain.launch.tpu: error: {says}"), err
+    assert not _commands(out)
+
+
 @pytest.mark.parametrize("command, says", [
     (["train", "steps=abc"], "python -m metatrain.launch.tpu: error: the metatrain command after --: steps: 'abc' "
                              "is not a whole number"),
