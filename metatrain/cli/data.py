@@ -37,12 +37,19 @@ def cmd_data_build(args) -> int:
 
 def cmd_data_stats(args) -> int:
     from metatrain import paths
+    from metatrain.data import chat
     from metatrain.data.formats import preview
-    from metatrain.data.pipeline import document_source, encoder, where
+    from metatrain.data.pipeline import MASKED, document_source, encoder, where
     from metatrain.data.tokenizer import load_tokenizer
 
     cfg = _data_config(args, format=args.format, chat_template=paths.local(args.chat_template) or "")
-    docs, tok = document_source(cfg), load_tokenizer(cfg.tokenizer, cfg.vocab_size)
+    if cfg.chat_template:  # a missing or non-UTF-8 file, named by its flag
+        chat.read_template("", cfg.chat_template, flag="--chat-template")
+    docs = document_source(cfg)
+    if cfg.chat_template and docs.fields.format not in MASKED:  # it was read by nothing, without a word
+        raise ConfigError(f"--chat-template: the records of {cfg.source} are plain text, and a chat template renders "
+                          f"conversations or prompt and completion records; drop it, or give such records")
+    tok = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
     encode = encoder(cfg, tok)  # the documents as training reads them: text, conversations, prompt + completion
     n = len(docs) if args.max_docs <= 0 else min(len(docs), args.max_docs)
     chars = tokens = trained = 0

@@ -331,6 +331,20 @@ def test_data_stats_reads_conversations_as_training_does(tmp_path, tok_dir, caps
     assert f"trained-on tokens: {sum(int(m.sum()) for _, m in rows):,}" in out
 
 
+def test_data_stats_refuses_a_chat_template_it_would_not_read(tmp_path, capsys):
+    """A template file for plain-text records was read by nothing and counted nothing, without a word (train refuses
+    it); a missing template file was not looked for."""
+    from metatrain import cli
+
+    corpus, template = tmp_path / "docs.jsonl", tmp_path / "chat.jinja"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    for given, says in ((template, f"--chat-template: the records of jsonl:{corpus} are plain text"),
+                        (tmp_path / "none.jinja", f"--chat-template: {tmp_path / 'none.jinja'} not found")):
+        assert cli.main(["data", "stats", "--source", f"jsonl:{corpus}", "--chat-template", str(given)]) == 2
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_preview_joins_text_parts():
     parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
              {"role": "assistant", "content": None, "tool_calls": []}]
