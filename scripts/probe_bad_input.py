@@ -356,6 +356,16 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("filter stopped by SIGTERM", ["filter", run, "--data", "jsonl:big.jsonl", "--out", "cur",
                                                    "--drop", "0.3"], None, setup=big, absent=("cur",),
                      interrupt=("cur/.parts", signal.SIGTERM)))
+    # a value of the wrong type: OmegaConf's "Value '1000.0' of type 'float' could not be converted to Integer"
+    out.append(Probe("steps written with an exponent", train("steps=1e3"), "1e3 is not a whole number"))
+    out.append(Probe("a switch given a word", train("log.wandb=maybe"), "'maybe' is not true or false"))
+    # a chat template that nothing reads: ignored by data stats without a word
+    out.append(Probe("data stats: a chat template for plain text", ["data", "stats", "--source", "jsonl:p.jsonl",
+                                                                     "--chat-template", "t.jinja"], "plain text",
+                     setup=lambda d: (jsonl(d / "p.jsonl", [{"text": "a b c"}] * 3),
+                                      write(d / "t.jinja", "{{ messages }}"))))
+    out.append(Probe("data stats: a chat template that is not there", ["data", "stats", "--chat-template",
+                                                                        "none.jinja"], "none.jinja not found"))
     # one init per member: more than 10 minutes of compiling before the first step, a stop signal unheard meanwhile
     out.append(Probe("train with 200 population members", train("population.size=200"), None, limit=120))
 
