@@ -36,8 +36,16 @@ def read_config(directory: str) -> dict:
                         "model.safetensors)")
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: give a local Hugging Face model dir (config.json + model.safetensors)"
-                        + _metatrain_dir(directory))
+                        + (_metatrain_dir(directory) or _prefixed(directory)))
     return read_json(path, "Hugging Face config.json")
+
+
+def _prefixed(directory: str) -> str:
+    """What to do instead where `directory` was given as hf:DIR (the end of an error line), else ""."""
+    if not ("/" + directory).replace(os.sep, "/").count("/hf:"):
+        return ""
+    return ("; drop the hf: prefix here (`metatrain import hf DIR` and hf.load(DIR) take the dir itself; hf:DIR is "
+            "for inner.init_from, data.tokenizer and `metatrain generate`)")
 
 
 def _metatrain_dir(directory: str) -> str:

@@ -4,6 +4,7 @@ the field or file and what to do, exit 2, before anything compiles; none is sile
 import json
 import logging
 import os
+import re
 
 import pytest
 from helpers import TINY, one_line_error
@@ -198,6 +199,21 @@ def test_a_metatrain_run_or_export_given_as_hf_says_to_drop_the_prefix(shared_ru
     with pytest.raises(DataError) as e:  # any other folder: as before
         hf.load(str(tmp_path))
     assert str(e.value).endswith("give a local Hugging Face model dir (config.json + model.safetensors)")
+
+
+def test_a_model_dir_given_as_hf_where_the_dir_itself_is_taken_says_to_drop_the_prefix(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """`metatrain import hf hf:DIR` (as inner.init_from names it) said only that ./hf:DIR/config.json was not found."""
+    from metatrain import hf
+    from metatrain.errors import DataError
+
+    monkeypatch.chdir(tmp_path)
+    says = "drop the hf: prefix here (`metatrain import hf DIR` and hf.load(DIR) take the dir itself"
+    assert cli.main(["import", "hf", "hf:models/m", "--out", "imported"]) == 2
+    one_line_error(capsys.readouterr().err, f"{tmp_path}/hf:models/m/config.json not found", says)
+    with pytest.raises(DataError, match=re.escape(says)):
+        hf.load("hf:~/models/m")
+    assert not (tmp_path / "imported").exists()
 
 
 def test_a_data_flag_without_its_path_is_one_line(shared_run, tmp_path, capsys):
