@@ -51,6 +51,20 @@ def test_an_out_matplotlib_cannot_write_is_one_line_and_one_without_extension_is
     assert capsys.readouterr().out == f"wrote {tmp_path / 'report.png'}\n" and _png(tmp_path / "report.png")
 
 
+def test_a_file_or_a_missing_folder_given_as_a_run_is_named(shared_run, tmp_path, capsys):
+    """`plot scores.jsonl` said that scores.jsonl ends in .jsonl, which matplotlib does not write: the first run is
+    --out's default, and was checked as that before it was read as a run."""
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("{}\n")
+    for args, says in (([scores], f"{scores} is a file; give the work dir of a run"),
+                       ([shared_run["workdir"], tmp_path / "none"], f"{tmp_path / 'none'} is not there; give the work "
+                                                                     f"dir of a run")):
+        assert cli.main(["plot", *map(str, args)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"metatrain plot: error: {says}") and "\n" not in err, err
+    assert scores.read_text() == "{}\n"
+
+
 def test_runs_without_flags_or_baseline_still_plot(shared_run, tmp_path):
     """Strip what a run without corruption flags and without a baseline lacks: the panels that apply remain."""
     run = tmp_path / "plain"
