@@ -10,6 +10,7 @@ the same cache slot for all rows (P + t, at position L_b + t).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +114,7 @@ def _prompt_tokens(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> t
     whole, number = (int, np.integer), (int, float, np.number)
     for name, value, kinds, ok, want in (
             ("max_new_tokens", max_new_tokens, whole, lambda v: v >= 1, "a whole number >= 1"),
-            ("temperature", temperature, number, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+            ("temperature", temperature, number, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: greedy)"),
             ("top_k", top_k, whole, lambda v: v >= 0, "a whole number >= 0 (0: all tokens)"),
             ("top_p", top_p, number, lambda v: 0 < v <= 1, "a number in (0, 1]")):
         if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):  # (NaN passes no check)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
@@ -216,7 +215,8 @@ def register(sub) -> None:
                    help="a run's inner model (default) or its uniform baseline's")
     p.add_argument("--tokenizer", default=None, help="default: the source's (hf:DIR, or the run's encoding)")
     p.add_argument("--max-new-tokens", type=common.positive_int, default=64)
-    p.add_argument("--temperature", type=argtypes.number(float, 0, math.inf, ">= 0"), default=0.0,
+    p.add_argument("--temperature", type=argtypes.number(float, 0, sys.float_info.max, "a finite number >= 0"),
+                   default=0.0,
                    help="0: greedy (default)")
     p.add_argument("--top-k", type=common.nonnegative_int, default=0, help="0 (or above the vocabulary): all tokens")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1: all tokens")

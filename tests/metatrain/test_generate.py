@@ -115,8 +115,9 @@ def test_bad_arguments_of_the_python_api_are_one_line_before_anything_compiles(s
         ([[1], None], {}, "prompt 1 is not a list of token ids"),
         ([[1]], {"max_new_tokens": -1}, "max_new_tokens must be a whole number >= 1, got -1"),
         ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 1, got 2.5"),
-        ([[1]], {"temperature": -1.0}, "temperature must be a number >= 0 (0: greedy), got -1.0"),
-        ([[1]], {"temperature": float("nan")}, "temperature must be a number >= 0"),
+        ([[1]], {"temperature": -1.0}, "temperature must be a finite number >= 0 (0: greedy), got -1.0"),
+        ([[1]], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ([[1]], {"temperature": float("inf")}, "temperature must be a finite number >= 0"),  # uniform sampling
         ([[1]], {"top_k": -2}, "top_k must be a whole number >= 0"),
         ([[1]], {"top_p": 0.0}, "top_p must be a number in (0, 1], got 0.0"),
     ]:

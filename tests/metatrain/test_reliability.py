@@ -198,7 +198,10 @@ def test_a_state_past_the_memory_here_is_refused_before_it_is_allocated(tmp_path
     (["data", "stats", "--max-docs", "-1"], "argument --max-docs: must be >= 0, got -1"),
     (["data", "bench", "--seconds", "-1"], "argument --seconds: must be a finite number > 0, got -1"),
     (["check-grads", "--seed", "-3"], "argument --seed: must be >= 0, got -3"),
-    (["generate", "run", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["generate", "run", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= "
+                                                                   "0, got -1"),
+    (["generate", "run", "--prompt", "hi", "--temperature", "inf"], "argument --temperature: must be a finite "
+                                                                    "number >= 0, got inf"),
     (["generate", "run", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["generate", "run", "--prompt", "hi", "--top-p", "nan"], "argument --top-p: must be in (0, 1], got nan"),
     # and above: seeds and sizes past a 32-bit integer were tracebacks from JAX, numpy or Grain
