@@ -17,6 +17,7 @@ import matplotlib
 import numpy as np
 
 from metatrain import paths
+from metatrain import workdir as workdir_lib
 from metatrain.errors import DataError
 
 matplotlib.use("Agg")
@@ -26,9 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def _read(workdir: str) -> tuple[list[dict], list[dict], dict | None]:
     """(training rows, evaluation rows, final weights) of a work dir."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isdir(workdir):
-        raise DataError(f"{workdir} is {'a file' if os.path.exists(workdir) else 'not there'}; give the work dir of a "
-                        f"run (`metatrain train` or `pretrain` writes it)")
+    workdir_lib.require_dir(workdir)
     if not os.path.exists(path):
         raise DataError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
     rows = _rows(path)
@@ -88,8 +87,7 @@ def plot_runs(workdirs: list[str], out: str | None = None) -> str:
     (default: the first work dir). Returns the file written."""
     workdirs = [paths.local(w) for w in workdirs]
     for w in workdirs:  # before --out (the first work dir by default) is checked: a file given as a run
-        if not os.path.isdir(w):
-            _read(w)
+        workdir_lib.require_dir(w)
     out = paths.local(out or workdirs[0])
     out = paths.image_file(os.path.join(out, "curves.png") if os.path.isdir(out) else out, "plot --out")
     runs = {os.path.basename(os.path.normpath(w)) or w: _read(w) for w in workdirs}

@@ -75,9 +75,7 @@ class Checkpoint:
         """The newest finished checkpoint of `workdir` whose metadata reads (`say` names any newer unreadable one);
         a dir that is missing or has none is a one-line DataError."""
         workdir = paths.local(workdir)
-        if not os.path.isdir(workdir) and not workdir_lib.is_remote(workdir):
-            what = "a file, not a directory" if os.path.exists(workdir) else "no such directory"
-            raise DataError(f"{workdir}: {what}; give a metatrain work dir (a run's `workdir=`)")
+        workdir_lib.require_dir(workdir)
         steps = workdir_lib.checkpoint_steps(workdir)
         if not steps:
             raise DataError(f"{workdir} is not a metatrain run: " + _what_else(workdir))

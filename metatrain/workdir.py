@@ -17,7 +17,7 @@ import time
 
 from metatrain import config as config_lib
 from metatrain.config import Config
-from metatrain.errors import ConfigError, TrainingError
+from metatrain.errors import ConfigError, DataError, TrainingError
 from metatrain.paths import is_remote
 
 # Fields a resumed run may change: how long and how it runs, not what it computes or what its state holds.
@@ -41,6 +41,14 @@ def log_dir(workdir: str) -> str:
     """Where metrics.jsonl, TensorBoard events and curves.png are written: the work dir, or for a remote work
     dir a local `runs/<name>` on process 0's host (appending to object storage is not possible)."""
     return os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1]) if is_remote(workdir) else workdir
+
+
+def require_dir(workdir: str) -> None:
+    """A one-line DataError where `workdir`, given as a run's work dir, is a file or not there (a remote one is not
+    looked at)."""
+    if not os.path.isdir(workdir) and not is_remote(workdir):
+        what = "a file, not a directory" if os.path.exists(workdir) else "no such directory"
+        raise DataError(f"{workdir}: {what}; give a metatrain work dir (a run's `workdir=`)")
 
 
 def checkpoint_steps(workdir: str) -> list[int]:

@@ -56,9 +56,9 @@ def test_a_file_or_a_missing_folder_given_as_a_run_is_named(shared_run, tmp_path
     --out's default, and was checked as that before it was read as a run."""
     scores = tmp_path / "scores.jsonl"
     scores.write_text("{}\n")
-    for args, says in (([scores], f"{scores} is a file; give the work dir of a run"),
-                       ([shared_run["workdir"], tmp_path / "none"], f"{tmp_path / 'none'} is not there; give the work "
-                                                                     f"dir of a run")):
+    for args, says in (([scores], f"{scores}: a file, not a directory; give a metatrain work dir"),
+                       ([shared_run["workdir"], tmp_path / "none"], f"{tmp_path / 'none'}: no such directory; give a "
+                                                                     f"metatrain work dir")):
         assert cli.main(["plot", *map(str, args)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"metatrain plot: error: {says}") and "\n" not in err, err
