@@ -393,11 +393,12 @@ def main(argv=None) -> int:
     from metatrain import aot
 
     found = aot.accelerator_chips(args.accelerator_type)  # a known type: its chips, one device each
-    if found and (found[1] == 0 or found[0] in aot.PER_CORE_TYPES and int(args.accelerator_type.rsplit("-")[1]) % 2):
-        parser.error(f"--accelerator-type {args.accelerator_type}: no such slice; {found[0]} types count TensorCores, "
-                     f"two per chip ({found[0]}-8: 4 chips), e.g. {found[0]}-8" if found[0] in aot.PER_CORE_TYPES
-                     else f"--accelerator-type {args.accelerator_type}: no such slice; give its chips, e.g. "
-                          f"{args.accelerator_type.rsplit('-')[0]}-8")
+    if found:  # v5p-7: 3 chips and a half
+        name, count = args.accelerator_type.rsplit("-", 1)
+        per_core = found[0] in aot.PER_CORE_TYPES
+        if found[1] == 0 or per_core and int(count) % 2:
+            how = f"{name} types count TensorCores, two per chip ({name}-8: 4 chips)" if per_core else "give its chips"
+            parser.error(f"--accelerator-type {args.accelerator_type}: no such slice; {how}, e.g. {name}-8")
     problem = check_command(args.command, args.workdir, args.include, devices=found[1] if found and found[2] else None)
     if problem:
         parser.error(f"the metatrain command after --: {problem}")

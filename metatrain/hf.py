@@ -42,7 +42,7 @@ def read_config(directory: str) -> dict:
 
 def _prefixed(directory: str) -> str:
     """What to do instead where `directory` was given as hf:DIR (the end of an error line), else ""."""
-    if not ("/" + directory).replace(os.sep, "/").count("/hf:"):
+    if "/hf:" not in "/" + directory:
         return ""
     return ("; drop the hf: prefix here (`metatrain import hf DIR` and hf.load(DIR) take the dir itself; hf:DIR is "
             "for inner.init_from, data.tokenizer and `metatrain generate`)")
