@@ -27,7 +27,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 def _read(workdir: str) -> tuple[list[dict], list[dict], dict | None]:
     """(training rows, evaluation rows, final weights) of a work dir."""
     path = os.path.join(workdir, "metrics.jsonl")
-    workdir_lib.require_dir(workdir)
     if not os.path.exists(path):
         raise DataError(f"{workdir} has no metrics.jsonl: is it a metatrain work dir?")
     rows = _rows(path)
