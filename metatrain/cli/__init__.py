@@ -46,7 +46,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metatrain", description=__doc__.split("\n\n")[0],
-                                     epilog="`metatrain COMMAND --help` for each command's flags; see README.md")
+                                     epilog="`metatrain COMMAND --help` for each command's flags; "
+                                            "`python -m metatrain.reference` for every config key")
     parser.add_argument("--version", action="version", version=f"metatrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:

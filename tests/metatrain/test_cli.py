@@ -205,6 +205,18 @@ def test_version_and_a_missing_command_named_by_its_choices(capsys, monkeypatch)
                                f"required: {choices}"), last
 
 
+def test_the_top_level_help_points_only_at_what_an_installed_package_has():
+    """`metatrain --help` names no file of the source tree (a wheel has no README.md), and each `python -m MODULE` it
+    names is a module of the package."""
+    import importlib.util
+    import re
+
+    epilog = cli.build_parser().epilog
+    assert not re.search(r"\w+\.(md|txt|rst)\b", epilog), epilog
+    modules = re.findall(r"python -m ([\w.]+)", epilog)
+    assert modules and all(importlib.util.find_spec(m) for m in modules), modules
+
+
 def test_the_help_page_holds_every_commands_help_at_its_own_width(monkeypatch):
     """docs/cli.md's sections (written when the site is built): one per command and launcher, each the command's
     `--help`, wrapped at the page's width whatever the terminal of the machine that builds the site."""
