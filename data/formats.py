@@ -114,11 +114,13 @@ class Encoder:
       train_on: `assistant` (the assistant's turns, or the completion) or `all` (every token).
       chat_template: a template file that replaces the model's.
       messages_field: the messages' field, for messages.
+      tokenizer_setting: how the user set the tokenizer, as an error names it (`--tokenizer ` for a command's flag).
     """
 
     def __init__(self, tokenizer: Tokenizer | HFTokenizer, train_on: str = "assistant", chat_template: str = "",
-                 messages_field: str = "messages"):
+                 messages_field: str = "messages", tokenizer_setting: str = "data.tokenizer="):
         self.tokenizer, self.train_on, self.messages_field = tokenizer, train_on, messages_field
+        self.tokenizer_setting = tokenizer_setting
         self.chat_template, self.template = chat_template, None
 
     def _chat(self, format: str):
@@ -126,8 +128,8 @@ class Encoder:
             directory = getattr(self.tokenizer, "directory", None)
             if directory is None:
                 raise ConfigError(f"data.format={format}: conversations are rendered by the model's chat template, "
-                                  "which a tiktoken encoding has none of; train with data.tokenizer=hf:DIR (a model "
-                                  "dir with tokenizer.json and a chat template): a run trained with a tiktoken "
+                                  f"which a tiktoken encoding has none of; give {self.tokenizer_setting}hf:DIR (a "
+                                  "model dir with tokenizer.json and a chat template): a run trained with a tiktoken "
                                   "encoding reads text only")
             self.template = _template(os.path.abspath(directory), self.chat_template)
         return self.template

@@ -118,9 +118,10 @@ def fields(cfg: DataConfig) -> Fields:
     return Fields(cfg.format, cfg.text_field, cfg.messages_field)
 
 
-def encoder(cfg: DataConfig, tok: Tokenizer) -> Encoder:
-    """Documents → (token ids, loss mask), as `data.train_on`, `data.chat_template` and `data.messages_field` say."""
-    return Encoder(tok, cfg.train_on, cfg.chat_template, cfg.messages_field)
+def encoder(cfg: DataConfig, tok: Tokenizer, tokenizer_setting: str = "data.tokenizer=") -> Encoder:
+    """Documents → (token ids, loss mask), as `data.train_on`, `data.chat_template` and `data.messages_field` say
+    (`tokenizer_setting`: how the user set `cfg.tokenizer`, as an error names it)."""
+    return Encoder(tok, cfg.train_on, cfg.chat_template, cfg.messages_field, tokenizer_setting)
 
 
 def split_ids(n_docs: int, outer_every: int, with_outer: bool = True,

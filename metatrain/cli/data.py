@@ -50,7 +50,8 @@ def cmd_data_stats(args) -> int:
         raise ConfigError(f"--chat-template: the records of {cfg.source} are plain text, and a chat template renders "
                           f"conversations or prompt and completion records; drop it, or give such records")
     tok = load_tokenizer(cfg.tokenizer, cfg.vocab_size)
-    encode = encoder(cfg, tok)  # the documents as training reads them: text, conversations, prompt + completion
+    # the documents as training reads them: text, conversations, prompt + completion
+    encode = encoder(cfg, tok, "--tokenizer ")
     n = len(docs) if args.max_docs <= 0 else min(len(docs), args.max_docs)
     chars = tokens = trained = 0
     for i in progress.over(range(n), desc="documents"):

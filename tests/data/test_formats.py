@@ -179,7 +179,7 @@ def test_bad_conversations_are_one_line_naming_file_record_and_field(tmp_path, t
     with pytest.raises(DataError, match=r"chat.jsonl:\d+: the chat template fails to render it: only user turns"):
         Streams(_cfg(path, tok_dir, chat_template=str(failing)), 0, 1)
     with pytest.raises(ConfigError, match="data.format=chat: conversations are rendered by the model's chat template, "
-                                          "which a tiktoken encoding has none of; train with data.tokenizer=hf:DIR .*: "
+                                          "which a tiktoken encoding has none of; give data.tokenizer=hf:DIR .*: "
                                           "a run trained with a tiktoken encoding reads text only"):
         Streams(DataConfig(source=f"jsonl:{path}", seq_len=24, batch=4, outer_every=5), 0, 1)
 
@@ -329,6 +329,18 @@ def test_data_stats_reads_conversations_as_training_does(tmp_path, tok_dir, caps
     rows = [enc(json.loads(line)["messages"], "x") for line in path.read_text().splitlines()]
     assert "documents: 12 of 12" in out and f"tokens: {sum(len(i) for i, _ in rows):,}" in out
     assert f"trained-on tokens: {sum(int(m.sum()) for _, m in rows):,}" in out
+
+
+def test_data_stats_names_its_tokenizer_flag_for_conversations_under_tiktoken(tmp_path, capsys):
+    """`data stats` of conversations with its default tiktoken encoding names the flag to change (--tokenizer), not
+    a config key the command does not take."""
+    from metatrain import cli
+
+    path = _chats(tmp_path, n=12)
+    assert cli.main(["data", "stats", "--source", f"jsonl:{path}"]) == 2
+    err = capsys.readouterr().err
+    one_line_error(err, "data.format=chat", "give --tokenizer hf:DIR")
+    assert "data.tokenizer" not in err
 
 
 def test_data_stats_refuses_a_chat_template_it_would_not_read(tmp_path, capsys):
