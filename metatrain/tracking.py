@@ -22,19 +22,23 @@ from metatrain import workdir as workdir_lib
 from metatrain.config import Config
 from metatrain.errors import ConfigError
 
+# what tensorboardX imports, where installed, for what a run never asks of it: torch, only to accept its tensors (a
+# run logs Python floats; 2.6 s of start-up on a 2-core CPU), and the clients that write event files to gs:// (0.2 s:
+# the tpu extra installs it) and s3:// (the log dir is always local, see `metatrain.workdir`)
+NOT_IMPORTED = ("torch", "google.cloud.storage", "boto3")
+
 
 def summary_writer(directory: str):
-    """tensorboardX's `SummaryWriter` for `directory`, imported without PyTorch: tensorboardX imports torch, where it
-    is installed, only to accept its tensors (seconds of start-up); a run logs Python floats. Where torch is
-    imported already it stays as it is."""
-    blocked = "torch" not in sys.modules
-    if blocked:
-        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX is imported
+    """tensorboardX's `SummaryWriter` for `directory`, imported without the modules of `NOT_IMPORTED`: a module that is
+    imported already stays as it is, and each imports normally afterwards."""
+    blocked = [name for name in NOT_IMPORTED if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # `import NAME` raises ImportError while tensorboardX is imported
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if blocked:
-            del sys.modules["torch"]
+        for name in blocked:
+            del sys.modules[name]
     # a NaN metric is written as it is; the run says which steps were not finite, tensorboardX would warn per scalar
     logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     return _refusals_kept(SummaryWriter(directory))

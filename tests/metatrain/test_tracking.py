@@ -60,8 +60,9 @@ def test_logs_are_copied_into_a_remote_workdir(tmp_path, monkeypatch):
 
 
 def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
-    """tensorboardX imports PyTorch where it is installed (seconds of start-up for every run); the run's writer
-    leaves it out and still writes readable scalars, and torch imports normally afterwards."""
+    """tensorboardX imports PyTorch and Google Cloud Storage's client where they are installed (seconds of start-up
+    for every run); the run's writer leaves them out and still writes readable scalars, and each imports normally
+    afterwards."""
     import subprocess
     import sys
 
@@ -73,6 +74,7 @@ w.add_scalar("outer_loss", 2.5, 1)
 w.add_scalar("outer_loss", float("nan"), 2)  # a step that was not finite: written, and said by the run alone
 w.close()
 assert "torch" not in sys.modules, "torch was imported"
+assert "google.cloud.storage" not in sys.modules, "google.cloud.storage was imported"
 from tensorboardX.event_file_writer import event_pb2
 import glob, struct
 data = open(glob.glob({str(tmp_path / 'events.out.tfevents.*')!r})[0], "rb").read()
@@ -85,6 +87,10 @@ while i < len(data):  # TFRecord framing: length, its CRC, the event, its CRC
 print(values)
 try:
     import torch  # noqa: F401  (installed with the hf extra: importable again)
+except ImportError:
+    pass
+try:
+    from google.cloud import storage  # noqa: F401  (installed with the tpu extra: importable again)
 except ImportError:
     pass
 """
