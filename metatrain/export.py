@@ -27,7 +27,7 @@ from metatrain.checkpoints import first_layout_difference, leaf_shapes, save_par
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
 from metatrain.models import ModelConfig, require_float64
-from metatrain.run import Checkpoint, Run, on_one_device
+from metatrain.run import READ_AS_FLOAT32, Checkpoint, Run, on_one_device
 
 
 def _check_matches(path: str, saved, target, field: str = "inner.init_from"):
@@ -139,10 +139,9 @@ FLOAT32_EXPORT = "the export would hold float32 parameters"  # without JAX's 64-
 
 
 def _from_workdir(workdir: str, what: str | None, adapters: bool = False, command: str = "export") -> Exported:
-    run = Run.open(workdir)  # its config as it ran: the data sources may be gone
+    # its config as it ran (the data sources may be gone); a float64 run refused where it would be read as float32
+    run = Run.open(workdir, float32_means=FLOAT32_EXPORT if command == "export" else READ_AS_FLOAT32)
     cfg, model, saved = run.cfg, run.model, run.saved
-    if command == "export":  # before anything is read in float32
-        require_float64({f"{workdir}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
     info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
     if not cfg.data.tokenizer.startswith(HF_PREFIX):  # a tiktoken encoding: its name and the vocabulary it was cut to
         info.update(tokenizer=cfg.data.tokenizer, tokenizer_vocab_size=cfg.data.vocab_size)
@@ -193,8 +192,9 @@ def _from_export_dir(path: str, what: str | None, command: str = "export") -> Ex
         raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}; give the run's "
                           f"work dir, or an export made with --what {what}")
     model = ModelConfig(**info["model"]) if info.get("model") else None
-    if command == "export" and model is not None:
-        require_float64({f"{path}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
+    if model is not None:  # before anything is read in float32
+        require_float64({f"{path}: model.param_dtype": model.param_dtype},
+                        FLOAT32_EXPORT if command == "export" else READ_AS_FLOAT32)
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"))
     if os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -1,6 +1,7 @@
 """`metatrain.run.Run`: a finished run opened from its work dir, checked against the shared run's checkpoint read
 directly with Orbax."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -86,6 +87,39 @@ def test_a_config_yaml_changed_after_the_run_is_one_line_before_anything_is_read
     assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written
     with pytest.raises(DataError, match="meta: .* has shape .*16.* in the checkpoint, .*32.* in config.yaml"):
         Run.open(str(copy)).part("meta")
+
+
+def test_a_float64_run_is_refused_where_jax_would_read_it_as_float32(shared_run, tmp_path, capsys, monkeypatch):
+    """A float64 run read where JAX's 64-bit mode is off (these test processes): Orbax restored its arrays as
+    float32 and `eval`, `scores`, `filter` and `generate` computed in float32 without a word (only `export` refused).
+    Each now says so in one line before anything is read or written. The run here is the shared run with its
+    config.yaml saying float64: the check reads the config, not the arrays."""
+    from helpers import cli_run, one_line_error
+
+    copy = tmp_path / "run"
+    shutil.copytree(shared_run["workdir"], copy)
+    text = (copy / "config.yaml").read_text()
+    assert "  param_dtype: float32\n" in text
+    (copy / "config.yaml").write_text(text.replace("  param_dtype: float32\n", "  param_dtype: float64\n", 1))
+    exported = tmp_path / "exported"  # an export dir of a float64 model, as `export` writes it under JAX_ENABLE_X64=1
+    exported.mkdir()
+    model = Run.open(str(shared_run["workdir"])).model
+    info = {"kind": "meta-train", "what": "inner", "model": {**dataclasses.asdict(model), "param_dtype": "float64"}}
+    (exported / "export.json").write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match="would be read and used as float32"):
+        Run.open(str(copy))
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    for argv, where in ((["eval", "run"], "run"), (["scores", "run", "--out", "s.jsonl"], "run"),
+                        (["filter", "run", "--data", "jsonl:docs.jsonl", "--drop", "0.5", "--out", "kept"], "run"),
+                        (["generate", "run", "--prompt", "a", "--max-new-tokens", "1"], "run"),
+                        (["generate", "exported", "--prompt", "a", "--max-new-tokens", "1"], "exported")):
+        code, out, err = cli_run(capsys, *argv)
+        assert code == 2, err[-3000:]
+        one_line_error(err, f"{tmp_path / where}: model.param_dtype=float64 needs JAX's 64-bit mode, which is off: "
+                            f"run with JAX_ENABLE_X64=1", "would be read and used as float32")
+        assert "validation" not in out and "loss" not in out
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "exported", "run"]  # nothing written
 
 
 @pytest.mark.slow
