@@ -74,14 +74,19 @@ def make_fixtures(root: Path) -> dict:
     exp = subprocess.run([sys.executable, "-m", "metatrain.cli", "export", str(root / "run"), "--what", "inner",
                           "--out", str(root / "exp")], env=env, capture_output=True, text=True)
     assert exp.returncode == 0, exp.stderr[-3000:]
+    # the same run in float64 (JAX's 64-bit mode on), for the commands that read it where the mode is off
+    run64 = subprocess.run([sys.executable, "-m", "metatrain.cli", "train", *TINY, "model.param_dtype=float64",
+                            f"workdir={root / 'run64'}"], env=dict(env, JAX_ENABLE_X64="1"), capture_output=True,
+                           text=True)
+    assert run64.returncode == 0, run64.stderr[-3000:]
     docs = [{"id": f"d{i}", "text": f"document {i}: " + " ".join(f"word{j}" for j in range(i % 7, 60))}
             for i in range(80)]
     jsonl(root / "docs.jsonl", docs)
     chat = subprocess.run([sys.executable, "-m", "metatrain.cli", "data", "make-chat", "--out", str(root / "chat")],
                           env=env, capture_output=True, text=True)
     assert chat.returncode == 0, chat.stderr[-3000:]
-    fixtures = {"run": root / "run", "exp": root / "exp", "docs": root / "docs.jsonl", "hf": None,
-                "chat": root / "chat"}
+    fixtures = {"run": root / "run", "run64": root / "run64", "exp": root / "exp", "docs": root / "docs.jsonl",
+                "hf": None, "chat": root / "chat"}
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from helpers import make_hf_checkpoint
@@ -312,6 +317,10 @@ def probes(f: dict) -> list[Probe]:
                      "jsonl:PATH_OR_GLOB"))
     out.append(Probe("filter of an export dir", ["filter", exp, "--data", f"jsonl:{docs}", "--out", "o", "--drop",
                                                  "0.3"], "exported by `metatrain export` (export.json), not a run"))
+    for argv in (["eval", str(f["run64"])], ["scores", str(f["run64"]), "--out", "s.jsonl"],
+                 ["generate", str(f["run64"]), "--prompt", "a", "--max-new-tokens", "2"]):
+        out.append(Probe(f"{argv[0]} of a float64 run, 64-bit mode off", argv, "JAX_ENABLE_X64=1",
+                         absent=("s.jsonl",)))
     out.append(Probe("eval of an export dir", ["eval", exp], "exported by `metatrain export` (export.json), not a run"))
     out.append(Probe("eval of a file", ["eval", "afile"], "afile: a file, not a directory", setup=afile,
                      user_files=("afile",)))
@@ -323,7 +332,7 @@ def probes(f: dict) -> list[Probe]:
                      check=lambda d, o: (d / "new" / "p.png").stat().st_size > 0))
     out.append(Probe("plot into a dir", ["plot", run, "--out", "adir"], None, setup=lambda d: (d / "adir").mkdir(),
                      check=lambda d, o: (d / "adir" / "curves.png").is_file()))
-    out.append(Probe("plot of a missing run", ["plot", "nothing"], "metrics.jsonl"))
+    out.append(Probe("plot of a missing run", ["plot", "nothing"], "no such directory"))
     out.append(Probe("bench --json under a file", ["bench", "time", "--model", "tiny", "--json", "afile/x.json"],
                      "is a file", setup=lambda d: write(d / "afile", "x")))
     out.append(Probe("check-grads --json a dir", ["check-grads", "--task", "maml", "--json", "adir"], "is a directory",
