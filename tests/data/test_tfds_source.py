@@ -58,6 +58,7 @@ def test_an_unprepared_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, 
     assert list(temp.iterdir()) == [] and tempfile.gettempdir() == str(temp)
 
 
+@pytest.mark.slow
 def test_pipeline_reads_the_built_dataset(tmp_path, capsys, monkeypatch):
     from metatrain.data import pipeline
 

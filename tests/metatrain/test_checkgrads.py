@@ -76,6 +76,7 @@ class WrongGradientTask(MAML):
         return _wrong_derivative(super().outer_loss(theta, meta, batch))
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_wrong_gradient(capsys):
     assert cli.main(["check-grads", "--task", f"{__name__}:WrongGradientTask", "--variants", "autodiff"]) == 1
     assert "FAILED: 1 variant(s) past tolerance (rel 1e-10, fd 1e-06): autodiff" in capsys.readouterr().out

@@ -204,6 +204,7 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_run, tmp_path, capsys):
         assert "must be in (0, 1)" in err and not out.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_run, tmp_path, capsys):
     """SIGTERM (a scheduler, `timeout`) stops `filter` as Ctrl-C does: OUT goes, exit 143. A filter killed past any
     clean-up (SIGKILL) before it wrote what its scores are of leaves OUT holding only `.parts/`: the next run starts

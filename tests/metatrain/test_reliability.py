@@ -53,6 +53,7 @@ def test_non_finite_stop_waits_for_the_checkpoint_it_names(tmp_path):
     assert int(saved_state(workdir, 5)["step"]) == 5
 
 
+@pytest.mark.slow
 def test_a_non_finite_stop_before_any_checkpoint_says_to_run_again_not_to_resume(tmp_path, capsys):
     """With no checkpoint saved, `--resume` is refused ("no checkpoint to resume from"): the stop's line must not
     send the user there. A meta-learning rate of 1e9 makes the second step's update non-finite."""
@@ -75,6 +76,7 @@ def _tiny_maml_program():
     return cfg, step.meta_program(cfg, make_mesh(cfg.mesh))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("update, finite", [(optax.sgd(1e-3), True), (optax.scale(jnp.nan), False)])
 def test_a_non_finite_update_never_reaches_the_state(update, finite):
     """A meta-optimizer whose update is NaN (the loss and meta-gradient are finite): the state is kept."""
@@ -299,6 +301,7 @@ def test_a_second_run_in_a_busy_workdir_is_refused_and_a_dead_one_leaves_no_lock
     Lock(str(workdir)).acquire().release()  # the killed process's lock went with it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("race", [False, True], ids=["removed-before-a-save", "removed-during-a-save"])
 def test_a_workdir_removed_while_the_run_runs_stops_it_in_one_line(tmp_path, capsys, monkeypatch, race):
     """`rm -r WORKDIR` during a run: it trained on to its last step writing into the deleted folder, then failed
@@ -428,6 +431,7 @@ def test_a_late_read_reporting_to_a_closed_loop_before_the_failure_is_dropped(sh
     assert unraisable == []
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_one_line(shared_run, tmp_path, capsys):
     workdir = _copy(shared_run, tmp_path)
     (workdir / "checkpoints" / "4" / "state" / "_METADATA").unlink()  # metadata gone
@@ -632,6 +636,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_run_resumes(sha
     assert res.returncode == 0 and checkpoints(workdir)[-1] == 6, res.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_metrics_the_disk_refuses_are_one_line_naming_the_folder(tmp_path):
     """A full disk while metrics were logged gave tensorboardX's tracebacks (from its thread, its close and its exit
     hook) and "writing a file failed". A file size limit stands in for the full disk (writes fail alike, without

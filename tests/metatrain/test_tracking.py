@@ -3,6 +3,7 @@ receiving the metrics, TensorBoard events and plot."""
 
 import json
 
+import pytest
 from conftest import fake_wandb
 from helpers import TINY
 
@@ -59,6 +60,7 @@ def test_logs_are_copied_into_a_remote_workdir(tmp_path, monkeypatch):
     assert not (tmp_path / "local_workdir").exists()
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
     """tensorboardX imports PyTorch and Google Cloud Storage's client where they are installed (seconds of start-up
     for every run); the run's writer leaves them out and still writes readable scalars, and each imports normally

@@ -37,6 +37,7 @@ def test_only_widening_products_in_the_context_take_the_custom_vjp():
             assert not uses_custom_vjp(lambda x, w: dense.dense(x, w), x, jnp.ones((4, 8)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])  # remat: the seeded block stack (models.grad_seed) too
 def test_gradients_and_second_order_products_match_plain_products(remat):
     """The tiny transformer's loss: gradient, MixFlow's VJP (forward-over-reverse HVP and mixed product, seeded

@@ -81,6 +81,7 @@ def test_two_steps_split_by_the_checkpoints_the_compiler_kept():
         assert r["static_bytes"] == entry + kept + r["grad_bytes"]
 
 
+@pytest.mark.slow
 def test_cli_json_and_table(tmp_path, capsys):
     out = tmp_path / "mem.json"
     argv = ["bench", "memory", *SMALL_FLAGS, "--variants", "autodiff+remat,mixflow+remat+save", "--json", str(out)]
@@ -97,6 +98,7 @@ def test_cli_json_and_table(tmp_path, capsys):
     assert f"| 1 | mixflow+remat+save | {mib(mixflow['peak_bytes'])} | - | - |" in text
 
 
+@pytest.mark.slow
 def test_resume_keeps_measured_rows_and_compiles_the_rest(tmp_path, capsys):
     out = tmp_path / "mem.json"
     argv = ["bench", "memory", *SMALL_FLAGS, "--json", str(out), "--variants"]
@@ -419,6 +421,7 @@ def test_tpu_peak_is_the_figure_the_compiler_holds_to_the_hbm(tmp_path):
     assert required_bytes(refused.value) == pytest.approx(m["peak_bytes"], rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_backend
 @pytest.mark.parametrize("donate", [False, True])
 def test_tpu_peak_leaves_out_arguments_and_outputs_in_host_memory(tmp_path, donate):
