@@ -26,7 +26,7 @@ from metatrain import hf, paths
 from metatrain.checkpoints import first_layout_difference, leaf_shapes, save_params
 from metatrain.data.tokenizer import HF_PREFIX
 from metatrain.errors import ConfigError, DataError
-from metatrain.models import ModelConfig, require_float64
+from metatrain.models import ModelConfig, dtype_settings, require_float64
 from metatrain.run import READ_AS_FLOAT32, Checkpoint, Run, on_one_device
 
 
@@ -139,9 +139,12 @@ FLOAT32_EXPORT = "the export would hold float32 parameters"  # without JAX's 64-
 
 
 def _from_workdir(workdir: str, what: str | None, adapters: bool = False, command: str = "export") -> Exported:
-    # its config as it ran (the data sources may be gone); a float64 run refused where it would be read as float32
-    run = Run.open(workdir, float32_means=FLOAT32_EXPORT if command == "export" else READ_AS_FLOAT32)
+    # its config as it ran (the data sources may be gone); float64 refused where it would be read as float32: the
+    # parameters for export, which computes nothing, the parameters and the compute for the other commands
+    run = Run.open(workdir, float32_means=None if command == "export" else READ_AS_FLOAT32)
     cfg, model, saved = run.cfg, run.model, run.saved
+    if command == "export":
+        require_float64({f"{workdir}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
     info = {"task": cfg.task, "step": run.step, **_origin(cfg.inner.init_from, cfg.data.tokenizer)}
     if not cfg.data.tokenizer.startswith(HF_PREFIX):  # a tiktoken encoding: its name and the vocabulary it was cut to
         info.update(tokenizer=cfg.data.tokenizer, tokenizer_vocab_size=cfg.data.vocab_size)
@@ -192,9 +195,10 @@ def _from_export_dir(path: str, what: str | None, command: str = "export") -> Ex
         raise ConfigError(f"{command} --what {what}: {path} is an export dir holding only {held!r}; give the run's "
                           f"work dir, or an export made with --what {what}")
     model = ModelConfig(**info["model"]) if info.get("model") else None
-    if model is not None:  # before anything is read in float32
-        require_float64({f"{path}: model.param_dtype": model.param_dtype},
-                        FLOAT32_EXPORT if command == "export" else READ_AS_FLOAT32)
+    if model is not None and command == "export":  # before anything is read in float32
+        require_float64({f"{path}: model.param_dtype": model.param_dtype}, FLOAT32_EXPORT)
+    elif model is not None:
+        require_float64(dtype_settings(model, prefix=f"{path}: model."), READ_AS_FLOAT32)
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.join(path, "params"))
     if os.path.isfile(os.path.join(path, "tokenizer.json")):

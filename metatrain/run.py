@@ -40,7 +40,7 @@ from metatrain.tasks import Task, make_task
 
 PRETRAIN, META_TRAIN = "pretrain", "meta-train"
 # what reading a float64 run where JAX's 64-bit mode is off would do (JAX turns float64 arrays into float32)
-READ_AS_FLOAT32 = "its float64 parameters would be read and used as float32"
+READ_AS_FLOAT32 = "it would be read and computed in float32"
 
 
 def on_one_device(shapes):
@@ -124,17 +124,19 @@ class Run:
 
     @classmethod
     def open(cls, workdir: str, say=lambda line: print(line, file=sys.stderr),
-             float32_means: str = READ_AS_FLOAT32) -> Run:
+             float32_means: str | None = READ_AS_FLOAT32) -> Run:
         """The run in `workdir` at its newest intact checkpoint (`say` names newer damaged ones); one that is missing,
-        has no intact checkpoint or no config.yaml is a one-line DataError; a float64 run where JAX's 64-bit mode is
-        off, a one-line ConfigError ending with `float32_means` (what reading it as float32 would do)."""
+        has no intact checkpoint or no config.yaml is a one-line DataError; a float64 run (parameters or compute)
+        where JAX's 64-bit mode is off, a one-line ConfigError ending with `float32_means` (what reading it as float32
+        would do; None: not checked, the caller checks what matters to it)."""
         workdir = paths.local(workdir)
         checkpoint = Checkpoint.latest(workdir, say)
         if config_lib.read_text(workdir_lib.config_path(workdir)) is None:
             raise DataError(f"{workdir} has checkpoints but no config.yaml: it was not written by `metatrain train` "
                             f"or `metatrain pretrain`")
         cfg = config_lib.load(workdir_lib.config_path(workdir), pretrained=False)
-        models.require_float64(models.dtype_settings(cfg.model, prefix=f"{workdir}: model."), float32_means)
+        if float32_means:
+            models.require_float64(models.dtype_settings(cfg.model, prefix=f"{workdir}: model."), float32_means)
         return cls(workdir, cfg, checkpoint)
 
     @classmethod

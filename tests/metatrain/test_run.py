@@ -106,7 +106,7 @@ def test_a_float64_run_is_refused_where_jax_would_read_it_as_float32(shared_run,
     model = Run.open(str(shared_run["workdir"])).model
     info = {"kind": "meta-train", "what": "inner", "model": {**dataclasses.asdict(model), "param_dtype": "float64"}}
     (exported / "export.json").write_text(json.dumps(info))
-    with pytest.raises(ConfigError, match="would be read and used as float32"):
+    with pytest.raises(ConfigError, match="would be read and computed in float32"):
         Run.open(str(copy))
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n")
     monkeypatch.chdir(tmp_path)
@@ -117,9 +117,14 @@ def test_a_float64_run_is_refused_where_jax_would_read_it_as_float32(shared_run,
         code, out, err = cli_run(capsys, *argv)
         assert code == 2, err[-3000:]
         one_line_error(err, f"{tmp_path / where}: model.param_dtype=float64 needs JAX's 64-bit mode, which is off: "
-                            f"run with JAX_ENABLE_X64=1", "would be read and used as float32")
+                            f"run with JAX_ENABLE_X64=1", "it would be read and computed in float32")
         assert "validation" not in out and "loss" not in out
     assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "exported", "run"]  # nothing written
+    # float64 compute over float32 parameters: computed in float32 too; `export` (no compute) opens it
+    (copy / "config.yaml").write_text(text.replace("  compute_dtype: ''\n", "  compute_dtype: float64\n", 1))
+    with pytest.raises(ConfigError, match=r"run: model.compute_dtype=float64 needs JAX's 64-bit mode"):
+        Run.open(str(copy))
+    assert Run.open(str(copy), float32_means=None).cfg.model.compute_dtype == "float64"
 
 
 @pytest.mark.slow
