@@ -148,7 +148,7 @@ class Run:
         if workdir_lib.latest_step(workdir) is None:
             return None
         try:
-            return cls.open(workdir, say=lambda _: None).kind
+            return cls.open(workdir, say=lambda _: None, float32_means=None).kind  # whatever its dtypes
         except MetatrainError:
             return None
 

@@ -108,6 +108,7 @@ def test_a_float64_run_is_refused_where_jax_would_read_it_as_float32(shared_run,
     (exported / "export.json").write_text(json.dumps(info))
     with pytest.raises(ConfigError, match="would be read and computed in float32"):
         Run.open(str(copy))
+    assert Run.kind_of(str(copy)) == "meta-train"  # what `train` tells a run's kind by, whatever its dtypes
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n")
     monkeypatch.chdir(tmp_path)
     for argv, where in ((["eval", "run"], "run"), (["scores", "run", "--out", "s.jsonl"], "run"),
