@@ -87,14 +87,19 @@ def make_fixtures(root: Path) -> dict:
     assert chat.returncode == 0, chat.stderr[-3000:]
     fixtures = {"run": root / "run", "run64": root / "run64", "exp": root / "exp", "docs": root / "docs.jsonl",
                 "hf": None, "chat": root / "chat"}
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    if not (tests / "helpers.py").is_file():  # the script copied out of the checkout: no tiny-checkpoint maker
+        print(f"(no {tests / 'helpers.py'}, which makes the tiny Hugging Face model: the Hugging Face probes are left "
+              "out; run scripts/probe_bad_input.py of a checkout)")
+        return fixtures
+    sys.path.insert(0, str(tests))
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from helpers import make_hf_checkpoint
 
         make_hf_checkpoint(root / "hf")
         fixtures["hf"] = root / "hf"
-    except ImportError:
-        print("(transformers is not installed: the Hugging Face probes are left out)")
+    except ModuleNotFoundError as e:
+        print(f"({e.name} is not installed: the Hugging Face probes are left out; pip install -e \".[hf]\")")
     return fixtures
 
 
