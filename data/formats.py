@@ -98,7 +98,8 @@ def _as_messages(part, role: str) -> list[dict]:
 def text_of(record: dict, field: str, where: str) -> str:
     if field not in record:
         raise DataError(f"{where}: no field {field!r} (the record has {sorted(record)[:8]}); name the text field "
-                        f"with data.text_field, or set data.format for conversations")
+                        f"with data.text_field (--text-field in scores, eval, filter and data stats), or set "
+                        f"data.format for conversations")
     text = record[field]
     if not isinstance(text, str):
         raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not text")

@@ -190,7 +190,8 @@ def table_fields(schema, fields: Fields, where: str) -> Fields:
     found as a JSON record's, its document columns there, a text column holding strings. `where` (the source, or
     the file) starts each error."""
     fields = fields.detect({c: _placeholder(schema.field(c).type) for c in schema.names}, where)
-    hint = {"text": "name the text column with data.text_field", "chat": "name the chat column with "
+    hint = {"text": "name the text column with data.text_field (--text-field in scores, eval, filter and "
+            "data stats)", "chat": "name the chat column with "
             "data.messages_field", "prompt_completion": "data.format=prompt_completion needs both columns, "
             "'prompt' and 'completion'"}[fields.format]
     for column in fields.columns():

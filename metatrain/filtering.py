@@ -232,7 +232,8 @@ def _write_pass(kind, files, mine, keep: np.ndarray, out: str, part: int, fields
 
 
 def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str = "topk", batch: int = 256,
-                  seed: int = 0, cdf_sample: int = 1_000_000, score_batch: int = 64, max_rows: int = 4) -> dict:
+                  seed: int = 0, cdf_sample: int = 1_000_000, score_batch: int = 64, max_rows: int = 4,
+                  text_field: str | None = None) -> dict:
     """Keep 1−`drop` of the documents of `source` by the run's scores; write them and OUT/manifest.json.
 
     Args:
@@ -246,6 +247,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
       cdf_sample: p_accept: the CDF from all scores up to this many documents, else from about this many.
       score_batch: rows per jitted scoring call.
       max_rows: a document is scored by its first this many rows of seq_len+1 tokens.
+      text_field: the field (JSONL) or column (Parquet) of the documents' text; None: the run's data.text_field.
 
     Returns:
       The manifest (on every process; process 0 writes it).
@@ -263,7 +265,7 @@ def filter_corpus(workdir: str, source: str, out: str, drop: float, method: str 
                           " drops nothing; raise --batch")
     source = paths.prefixed(source, tuple(records.FORMATS))
     kind, pattern = records.input_format(source)
-    run = Run.open(workdir).meta_training()
+    run = Run.open(workdir).meta_training().reading(text_field)
     if not hasattr(run.task, "scores"):
         raise ConfigError(f"{workdir} is a {run.cfg.task!r} run: filtering needs a loss-weighting run's scores "
                           "(task=loss_weighting)")
@@ -351,7 +353,8 @@ def _scores_key(run, kind, files, score_batch, max_rows, parts) -> dict:
     change), the settings that change a score and how the documents are shared between processes."""
     return {"workdir": os.path.realpath(run.workdir), "step": run.step, "format": kind,
             "files": records.fingerprint(files),
-            "score_batch": score_batch, "max_rows": max_rows, "processes": parts}
+            "text_field": run.cfg.data.text_field, "score_batch": score_batch, "max_rows": max_rows,
+            "processes": parts}
 
 
 def _kept_key(staging: str) -> dict | None:
@@ -400,7 +403,8 @@ def _manifest(run, workdir, source, kind, method, drop, batch, seed, staging, pa
                 "cdf": "all scores" if len(sample) < cdf_sample else f"a hash sample of about {cdf_sample}",
                 "description": "keep with probability P(fewer than K of batch-1 others score higher), p = the "
                                "document's place in the scores' empirical CDF"}
-    return {"run": paths.local(workdir), "step": run.step, "input": source, "format": kind, "drop": drop,
+    return {"run": paths.local(workdir), "step": run.step, "input": source, "format": kind,
+            "text_field": run.cfg.data.text_field, "drop": drop,
             "seed": seed, "rule": rule, "documents": {"in": n_in, "kept": n_kept, "kept_fraction": n_kept / n_in},
             "tokens": {"in": t_in, "kept": t_kept},
             "score_quantiles": {str(q): float(np.quantile(sample, q)) for q in QUANTILES},

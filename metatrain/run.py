@@ -184,6 +184,14 @@ class Run:
                             f"({key}: {difference}); was config.yaml changed "
                             f"after the run? Put back the one the run wrote")
 
+    def reading(self, text_field: str | None) -> Run:
+        """This run, reading documents from the field (JSONL) or column (Parquet, hf-disk) `text_field` in place of
+        its config's `data.text_field` (None: that one); the other data settings stay the run's."""
+        if text_field is None or text_field == self.cfg.data.text_field:
+            return self
+        data = dataclasses.replace(self.cfg.data, text_field=text_field)
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, data=data))
+
     def meta_training(self) -> Run:
         """This run, refused in one line unless it is a meta-training run (the commands that need a task's η)."""
         if self.kind != META_TRAIN:

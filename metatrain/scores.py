@@ -177,15 +177,16 @@ def _inputs(run: Run, spec: str) -> list[str]:
 
 
 def scores(workdir: str, source: str | None = None, out: str | None = None, max_rows: int = 4,
-           overwrite: bool = False) -> tuple[str, int]:
+           overwrite: bool = False, text_field: str | None = None) -> tuple[str, int]:
     """Write `out` (default WORKDIR/scores.jsonl): {"id", "score", "weight"} per document of `source` (default:
     the run's data.source). Returns (the path, the number of documents).
 
     OUT is checked before any scoring (`paths.output`): one of the inputs, a directory, or an existing file
     without `overwrite` is refused; it is written through OUT.tmp, removed on any error or signal. The scores of a
     JSONL or Parquet source stopped by Ctrl-C or SIGTERM (or killed) are kept in OUT.scores.tmp, and the same
-    command goes on from them."""
-    run = Run.open(workdir).meta_training()  # reads metadata only: the output is checked before any scoring
+    command goes on from them. `text_field`: the field or column of the documents' text (default: the run's
+    data.text_field)."""
+    run = Run.open(workdir).meta_training().reading(text_field)  # metadata only: OUT is checked before any scoring
     source = paths.prefixed(source, PATH_SOURCES)
     spec = source or run.cfg.data.source
     out = paths.output(out or os.path.join(paths.local(workdir), "scores.jsonl"), "scores --out",
@@ -222,7 +223,8 @@ def _scores_streamed(run: Run, spec: str, out: str, encode, fn, max_rows: int) -
     tmp = f"{out}.scores.tmp"  # the first pass's; OUT itself is written through OUT.tmp
     d = run.cfg.data
     key = {"run": os.path.realpath(run.workdir), "step": run.step, "format": kind, "files": records.fingerprint(files),
-           "batch": d.batch, "max_rows": max_rows, "id_field": d.id_field}  # what the first pass's scores are of
+           "batch": d.batch, "max_rows": max_rows, "id_field": d.id_field,
+           "text_field": d.text_field}  # what the first pass's scores are of
     folder, kept = paths.first_missing(os.path.dirname(out)), False
     try:  # from the making of OUT's folder on: a signal at any point takes it away, unless scores are kept in it
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -312,11 +314,12 @@ def _two_passes(run, spec, kind, files, mine, encode, fn, max_rows, tmp, key, fi
     return n
 
 
-def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16) -> list[tuple[str, float]]:
+def evaluate(workdir: str, source: str | None = None, max_docs: int = 0, max_rows: int = 16,
+             text_field: str | None = None) -> list[tuple[str, float]]:
     """[(which model, mean next-token loss)] on `source` (all its documents) or, by default, the run's validation
-    documents (data.eval_source, or the held-out share of data.outer_source, or of data.source). A pretrain run's
-    one model is "model"."""
-    run = Run.open(workdir)
+    documents (data.eval_source, or the held-out share of data.outer_source, or of data.source), their text in
+    `text_field` (default: the run's data.text_field). A pretrain run's one model is "model"."""
+    run = Run.open(workdir).reading(text_field)
     cfg = run.cfg
     if run.task.model is None:
         raise ConfigError(f"eval: task {cfg.task!r} of {workdir} brings its own model, not a language model; eval "

@@ -307,6 +307,16 @@ def probes(f: dict) -> list[Probe]:
     out.append(Probe("scores of empty texts", ["scores", run, "--data", "jsonl:b.jsonl", "--out", "s.jsonl"],
                      "token to predict", setup=lambda d: jsonl(d / "b.jsonl", [{"text": ""}] * 5)))
     out.append(Probe("scores of a missing run", ["scores", "nothing"], "nothing"))
+    body = lambda d: jsonl(d / "b.jsonl", [{"id": f"d{i}", "body": f"document {i} of words"} for i in range(20)])
+    out.append(Probe("scores of text under another field", ["scores", run, "--data", "jsonl:b.jsonl", "--out",
+                                                             "s.jsonl"], "--text-field", setup=body,
+                     user_files=("b.jsonl",), absent=("s.jsonl", "s.jsonl.tmp")))
+    out.append(Probe("scores --text-field", ["scores", run, "--data", "jsonl:b.jsonl", "--out", "s.jsonl",
+                                             "--text-field", "body"], None, setup=body, user_files=("b.jsonl",),
+                     check=lambda d, o: sum(1 for _ in open(d / "s.jsonl")) == 20))
+    out.append(Probe("filter --text-field", ["filter", run, "--data", "jsonl:b.jsonl", "--out", "kept", "--drop",
+                                             "0.5", "--batch", "4", "--text-field", "body"], None, setup=body,
+                     user_files=("b.jsonl",), check=lambda d, o: "data.text_field=body" in o))
     out.append(Probe("filter into a new dir", ["filter", run, "--data", f"jsonl:{docs}", "--out", "cur", "--drop",
                                                "0.25", "--batch", "3"], None,
                      check=lambda d, o: sum(1 for _ in open(d / "cur" / "part-00000.jsonl")) == 60

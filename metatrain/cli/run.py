@@ -10,6 +10,9 @@ from metatrain.cli import common
 from metatrain.config import presets
 from metatrain.export import FORMATS, WHATS
 
+TEXT_FIELD_HELP = ("the field (JSONL) or column (Parquet, hf-disk) holding a document's text (default: the run's "
+                   "data.text_field)")
+
 
 def _refuse_the_other_kind(command: str, workdir: str) -> None:
     """`train` on a pretrain run's work dir (or `pretrain` on a meta-training run's) is refused before compiling,
@@ -138,20 +141,21 @@ def cmd_import_hf(args) -> int:
 def cmd_scores(args) -> int:
     from metatrain.scores import scores
 
-    out, n = scores(args.workdir, args.data, args.out, args.max_rows, args.overwrite)
+    out, n = scores(args.workdir, args.data, args.out, args.max_rows, args.overwrite, args.text_field)
     print(f"wrote {out}: score and weight of {n:,} documents")
     return 0
 
 
 def cmd_filter(args) -> int:
     from metatrain import distributed
+    from metatrain.data.pipeline import DataConfig
     from metatrain.filtering import filter_corpus
 
     # SIGTERM stays with this program: filter stops as it does alone (each process keeps the scores it has)
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
                            preemption_notices=False)
     m = filter_corpus(args.run, args.data, args.out, args.drop, args.method, args.batch, args.seed, args.cdf_sample,
-                      args.score_batch, args.max_rows)
+                      args.score_batch, args.max_rows, args.text_field)
     import jax
 
     if jax.process_index() == 0:
@@ -161,15 +165,16 @@ def cmd_filter(args) -> int:
               + (f" (going on from {m['documents_scored_before']:,} scored before)" if m["documents_scored_before"]
                  else ""))
         out = paths.local(args.out)
+        field = "" if m["text_field"] == DataConfig.text_field else f" data.text_field={m['text_field']}"
         print(f"wrote {os.path.join(out, 'manifest.json')} and {', '.join(m['outputs']) or 'no file'}; train on them "
-              f"with data.source={m['format']}:{os.path.join(out, '*.' + m['format'])}")
+              f"with data.source={m['format']}:{os.path.join(out, '*.' + m['format'])}{field}")
     return 0
 
 
 def cmd_eval(args) -> int:
     from metatrain.scores import evaluate, perplexity
 
-    results = evaluate(args.workdir, args.data, args.max_docs, args.max_rows)
+    results = evaluate(args.workdir, args.data, args.max_docs, args.max_rows, args.text_field)
     where = args.data or "the run's validation documents"
     print(f"next-token loss on {where}:")
     for name, loss in results:
@@ -244,6 +249,7 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--max-rows", type=common.positive_int, default=4,
                    help="score a document by its first N rows of seq_len+1")
+    p.add_argument("--text-field", default=None, metavar="FIELD", help=TEXT_FIELD_HELP)
     p.set_defaults(fn=cmd_scores)
     p = sub.add_parser("filter", help="keep 1-ρ of a corpus by a loss-weighting run's scores (curated data out)")
     p.add_argument("run", metavar="RUN", help="a `metatrain train` work dir of task loss_weighting")
@@ -262,6 +268,7 @@ def register(sub) -> None:
     p.add_argument("--score-batch", type=common.positive_int, default=64, help="rows per scoring call")
     p.add_argument("--max-rows", type=common.positive_int, default=4,
                    help="score a document by its first N rows of seq_len+1")
+    p.add_argument("--text-field", default=None, metavar="FIELD", help=TEXT_FIELD_HELP)
     _add_distributed_args(p)
     p.set_defaults(fn=cmd_filter)
     p = sub.add_parser("eval", help="loss and perplexity of a run's inner model, its baseline and its start (a "
@@ -271,6 +278,7 @@ def register(sub) -> None:
     p.add_argument("--max-docs", type=common.nonnegative_int, default=0, help="evaluate the first N documents (0: all)")
     p.add_argument("--max-rows", type=common.positive_int, default=16,
                    help="rows of seq_len+1 per document (longer: cut)")
+    p.add_argument("--text-field", default=None, metavar="FIELD", help=TEXT_FIELD_HELP)
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plot", help="the run report (PNG): held-out loss learned vs baseline, AUC, weights, losses")
     p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="one or more work dirs, overlaid by name")
