@@ -9,6 +9,8 @@ import sys
 from metatrain import argtypes, stops
 from metatrain.cli import common
 
+PROMPT_LINE = '{"prompt": TEXT} or {"messages": [...]}'  # a line of a --prompts file
+
 
 def _model(src: str, what: str | None, tokenizer: str | None):
     """(model config, pure-dict parameters, tokenizer, chat template file, context length or None) of SRC."""
@@ -65,14 +67,16 @@ def _prompts(args) -> list[tuple[str | list, str]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json_record(line, path, n)
+            try:
+                record = json_record(line, path, n)
+            except DataError as e:  # a plain text line: say what a line must be
+                raise DataError(f"{e}; --prompts takes one JSON object per line, {PROMPT_LINE}") from None
             value = record.get("messages", record.get("prompt"))
             if not isinstance(value, (str, list)) or not value:
                 raise DataError(f"{path}:{n}: give a non-empty 'prompt' (text) or 'messages' (a conversation)")
             out.append((value, f"{path}:{n}"))
     if not out:
-        raise ConfigError(f"generate --prompts: {path} holds no prompts; write one JSON line per prompt, "
-                          '{"prompt": TEXT} or {"messages": [...]}')
+        raise ConfigError(f"generate --prompts: {path} holds no prompts; write one JSON line per prompt, {PROMPT_LINE}")
     return out
 
 

@@ -39,6 +39,10 @@ def test_bad_prompts_are_one_line(shared_run, tmp_path, capsys):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
     code, _, err = _main(capsys, "generate", run, "--prompts", tmp_path / "p.jsonl")
     one_line_error(err, "p.jsonl:2", "non-empty 'prompt'")
+    for name, text in (("p.txt", "hello\nworld\n"), ("q.jsonl", '"hello"\n')):  # plain text; a JSON string
+        (tmp_path / name).write_text(text)
+        code, _, err = _main(capsys, "generate", run, "--prompts", tmp_path / name)
+        one_line_error(err, f"{name}:1", '--prompts takes one JSON object per line, {"prompt": TEXT}')
 
 
 def test_sizes_are_checked_before_anything_compiles(shared_run, capsys):
