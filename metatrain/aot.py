@@ -16,6 +16,7 @@ import contextlib
 import glob
 import os
 import re
+import threading
 
 import jax
 
@@ -402,13 +403,44 @@ FIXABLE = ((re.compile(r"CompileTimeScopedVmemOom|scoped vmem", re.I),
 def compile(lowered, options: dict | None = None):
     """`lowered.compile(options)`; a refusal in `FIXABLE` is one TrainingError line saying what to set."""
     try:
-        return lowered.compile(compiler_options=options)
+        return _wait_for_compile(lambda: lowered.compile(compiler_options=options))
     except Exception as e:  # noqa: BLE001 — re-raised unless it is a refusal we can explain
         for pattern, fix in FIXABLE:
             if pattern.search(str(e)):
                 raise TrainingError(f"compiling the outer step: {fix} (the compiler said: "
                                     f"{str(e).strip().splitlines()[0][:200]})") from None
         raise
+
+
+def _wait_for_compile(compile_fn):
+    """`compile_fn()` on a thread of its own while the main thread waits in Python, so that a stop signal's handler
+    runs during a compile of minutes, not after it: the command line then says that it stops once the compile
+    returns, and a second stop ends it at once (`metatrain.cli`). A KeyboardInterrupt raised while waiting is raised
+    once the compile has returned: cut there, the compile went on in XLA's threads while the interpreter shut down,
+    and crashed it. Off the main thread, where no handler runs, `compile_fn()` itself."""
+    if threading.current_thread() is not threading.main_thread():
+        return compile_fn()
+    done: dict = {}
+
+    def run():
+        try:
+            done["value"] = compile_fn()
+        except BaseException as e:  # noqa: BLE001 — handed to the waiting thread, raised there
+            done["error"] = e
+
+    worker = threading.Thread(target=run, name="metatrain-compile", daemon=True)
+    worker.start()
+    interrupted = None
+    while worker.is_alive():
+        try:
+            worker.join(0.05)
+        except KeyboardInterrupt as e:
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def compile_exact(lowered, tpu: bool, options: dict | None = None):

@@ -94,30 +94,55 @@ class Stopped(KeyboardInterrupt):
 
 
 _stopping: list[int] = []  # the signal that stops the running command, until `main` has caught it
+_command: list[str] = []  # the running command's name (`bench memory`), as its stop lines say it
+_deferred: list[bool] = []  # a stop waits for a compile, said once
 
 
 def _compiling(frame) -> bool:
     """Whether the main thread is waiting for XLA to compile a program: cut there, the compile goes on in XLA's
     threads while the interpreter shuts down, and crashes it (a segmentation fault instead of the exit code)."""
     while frame is not None:
-        if frame.f_code.co_name == "backend_compile_and_load" and "jax" in frame.f_code.co_filename:
-            return True
+        code = frame.f_code
+        if code.co_name == "backend_compile_and_load" and "jax" in code.co_filename or \
+                code.co_name == "_wait_for_compile" and code.co_filename.endswith(os.path.join("metatrain", "aot.py")):
+            return True  # JAX's compile call, or `aot.compile` waiting for its thread
         frame = frame.f_back
     return False
 
 
 def _stop(signum, frame):
+    if _stopping and _compiling(frame):  # a second stop while XLA compiles: at once, as a kill would
+        _exit_now(signum)
     _stopping[:] = [signum]
     _again(signum, frame)
 
 
 def _again(_signum, frame):
-    """Raises the stop where the program is; while XLA compiles, 50 ms later (SIGALRM) instead."""
+    """Raises the stop where the program is; while XLA compiles, 50 ms later (SIGALRM) instead, having said once that
+    it waits (a compile of a large model takes minutes) and that a second stop ends the command at once."""
     if _stopping:
         if _compiling(frame):
+            if not _deferred:
+                _deferred.append(True)
+                name = signal.Signals(_stopping[0]).name
+                print(f"metatrain {_command[0] if _command else ''}: {name}: stopping once XLA has compiled the "
+                      f"program in progress (a compile cannot be cut); a second SIGINT or SIGTERM stops at once, "
+                      f"without cleaning up", file=sys.stderr, flush=True)
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             return
         raise Stopped(_stopping[0])
+
+
+def _exit_now(signum: int) -> None:
+    """Ends the process at once with 128 + `signum`, while XLA compiles: `os._exit`, which neither shuts the
+    interpreter down (it would crash on the compile going on in XLA's threads) nor runs any clean-up."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        print(f"metatrain {_command[0] if _command else ''}: stopped by {signal.Signals(signum).name} at once, "
+              "while XLA compiled; nothing was cleaned up", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _raise_dropped_stops_again(previous):
@@ -224,6 +249,7 @@ def _main(argv, prefix: list[str]) -> int:
     handled = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if handled:
+        _command[:], _deferred[:] = [name], []
         previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
                     signal.SIGALRM: signal.signal(signal.SIGALRM, _again)}
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -276,6 +302,8 @@ def _main(argv, prefix: list[str]) -> int:
     finally:
         if handled:
             _stopping.clear()
+            _command.clear()
+            _deferred.clear()
             signal.setitimer(signal.ITIMER_REAL, 0)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

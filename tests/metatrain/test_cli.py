@@ -105,6 +105,79 @@ def test_a_stop_waits_for_the_xla_compile_in_flight(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == "metatrain fit: stopped by SIGTERM"
 
 
+class _Exited(BaseException):
+    """`os._exit`, stood in for: the code it was given."""
+
+
+def test_a_second_stop_while_xla_compiles_ends_the_command_at_once(monkeypatch, capsys):
+    """The first stop that comes while XLA compiles says that the command stops once the compile returns (a large
+    model's compile takes minutes: SIGTERM to `compile --model 1b` for a TPU chip ended it 58 s later, and nothing
+    said why); a second one ends it at once through `os._exit`, which does not shut the interpreter down (the compile
+    going on in XLA's threads would crash it). JAX's compile call is stood in for as above."""
+    namespace = {"os": os, "signal": signal, "time": time}
+    exec(compile("def backend_compile_and_load(done):\n"
+                 "    for wait in (0.2, 5):\n"
+                 "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                 "        deadline = time.monotonic() + wait\n"
+                 "        while time.monotonic() < deadline:\n"
+                 "            pass\n"
+                 "    done.append(True)\n", os.path.join("site-packages", "jax", "_src", "compiler.py"), "exec"),
+         namespace)
+    compiled = []
+
+    def exit_now(code):
+        raise _Exited(code)
+
+    _commands(monkeypatch, fit=lambda args: namespace["backend_compile_and_load"](compiled))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    tic = time.monotonic()
+    with pytest.raises(_Exited) as e:
+        cli.main(["fit"])
+    assert e.value.args == (128 + signal.SIGTERM,) and compiled == [] and time.monotonic() - tic < 4
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["metatrain fit: SIGTERM: stopping once XLA has compiled the program in progress (a compile cannot "
+                    "be cut); a second SIGINT or SIGTERM stops at once, without cleaning up",
+                    "metatrain fit: stopped by SIGTERM at once, while XLA compiled; nothing was cleaned up"]
+
+
+def test_a_compile_of_minutes_hears_a_stop_while_it_runs(monkeypatch, capsys):
+    """`aot.compile` compiles on a thread of its own while the main thread waits in Python: a stop's handler runs
+    during the compile (on the main thread, a compile of a 1b model for a TPU chip heard two SIGTERMs only when it
+    returned, 58 s later). A one-line wait, then the second stop ends the command at once; a single stop, once the
+    compile has returned."""
+    from metatrain import aot
+
+    class Lowered:
+        def __init__(self, stops: int):
+            self.stops, self.compiled = stops, []
+
+        def compile(self, compiler_options=None):
+            for _ in range(self.stops):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)
+            time.sleep(1.5)
+            self.compiled.append(True)
+            return "executable"
+
+    def exit_now(code):
+        raise _Exited(code)
+
+    twice, once, after = Lowered(2), Lowered(1), []
+    _commands(monkeypatch, twice=lambda args: aot.compile(twice),
+              once=lambda args: (aot.compile(once), time.sleep(5), after.append(True)))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(_Exited) as e:
+        cli.main(["twice"])
+    assert e.value.args == (128 + signal.SIGTERM,) and twice.compiled == []
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("metatrain twice: stopped by SIGTERM at once, while "
+                                                                "XLA compiled; nothing was cleaned up")
+    assert cli.main(["once"]) == 128 + signal.SIGTERM
+    assert once.compiled == [True] and after == []
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[0].startswith("metatrain once: SIGTERM: stopping once XLA has compiled") and \
+        said[-1] == "metatrain once: stopped by SIGTERM"
+
+
 def test_an_error_names_its_command_once(monkeypatch, capsys):
     """The library prefixes some errors with the command for Python callers ("scores: ..."); the command line names
     the command already ("metatrain scores: error:") and leaves that prefix out."""
