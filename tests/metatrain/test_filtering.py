@@ -3,8 +3,8 @@
 
 import json
 import math
-import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -204,30 +204,54 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_run, tmp_path, capsys):
         assert "must be in (0, 1)" in err and not out.exists()
 
 
-@pytest.mark.slow
+WAITING_FILTER = """
+import sys, time
+from metatrain import cli, scores
+
+real = scores.score_stream
+
+
+def waiting(*args, **kwargs):  # OUT/.parts is made and nothing is scored yet: it waits there for the signal
+    print("waiting to score", file=sys.stderr, flush=True)
+    time.sleep(600)
+    yield from real(*args, **kwargs)
+
+
+scores.score_stream = waiting
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_cleans_up_and_a_stranded_staging_dir_is_started_again(shared_run, tmp_path, capsys):
     """SIGTERM (a scheduler, `timeout`) stops `filter` as Ctrl-C does: OUT goes, exit 143. A filter killed past any
     clean-up (SIGKILL) before it wrote what its scores are of leaves OUT holding only `.parts/`: the next run starts
-    again there and finishes."""
+    again there and finishes. The signal comes while the filter waits before its first document (a program that
+    makes it wait there): sent when OUT/.parts appeared, it came after a filter of 4,000 documents had ended on a
+    loaded machine."""
     import signal
+    import subprocess
     import time
 
-    from helpers import metatrain
+    from helpers import env
 
-    path, _ = _corpus(tmp_path, n_docs=4000)
-    out = tmp_path / "cur"
-    proc = metatrain("filter", shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3",
-                     background=True)
-    deadline = time.time() + 120
-    while not (out / ".parts").is_dir():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    path, _ = _corpus(tmp_path)
+    out, err_path = tmp_path / "cur", tmp_path / "err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", WAITING_FILTER, "filter", shared_run["workdir"], "--data",
+                                 f"jsonl:{path}", "--out", out, "--drop", "0.3"], env=env(),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            deadline = time.time() + 300
+            while "waiting to score" not in err_path.read_text():
+                assert proc.poll() is None and time.time() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    err = err_path.read_text()
     assert proc.returncode == 143 and "metatrain filter: stopped by SIGTERM" in err, err[-3000:]
-    # nothing kept, unless documents were scored by then (a loaded machine): then their scores, said so
-    assert "Traceback" not in err and (not out.exists() or "kept in" in err and os.listdir(out) == [".parts"])
-    shutil.rmtree(out, ignore_errors=True)
+    assert "Traceback" not in err and not out.exists(), err[-3000:]  # nothing scored, nothing kept
     (out / ".parts").mkdir(parents=True)  # as SIGKILL leaves it
     (out / ".parts" / "scores-00000.bin").write_bytes(b"\0" * 24)
     assert _filter(shared_run["workdir"], "--data", f"jsonl:{path}", "--out", out, "--drop", "0.3") == 0
