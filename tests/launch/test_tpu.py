@@ -352,7 +352,7 @@ def test_a_signal_before_the_run_stops_the_gcloud_command_that_runs(checkout, tm
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
     try:
         deadline = time.time() + 60
-        while "tpu-vm create" not in subprocess.run(["pgrep", "-af", "gcloud"], capture_output=True, text=True).stdout:
+        while not (gcloud := _child_running(launcher.pid, "tpu-vm create")):  # its own, not another test's
             assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
             time.sleep(0.05)
         launcher.send_signal(signal.SIGTERM)
@@ -363,7 +363,16 @@ def test_a_signal_before_the_run_stops_the_gcloud_command_that_runs(checkout, tm
     assert launcher.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == ("launch.tpu: stopped by SIGTERM while `gcloud compute tpus tpu-vm create "
                                             "...` ran"), err[-3000:]
-    assert "tpu-vm create" not in subprocess.run(["pgrep", "-af", "gcloud"], capture_output=True, text=True).stdout
+    assert not os.path.exists(f"/proc/{gcloud}"), "the gcloud command runs on"
+
+
+def _child_running(parent: int, command: str) -> int | None:
+    """The process id of a child of `parent` whose command line holds `command`, if one runs."""
+    for line in subprocess.run(["pgrep", "-P", str(parent), "-af", "gcloud"], capture_output=True,
+                               text=True).stdout.splitlines():
+        if command in line:
+            return int(line.split()[0])
+    return None
 
 
 def test_a_queued_resource_is_waited_for_with_a_line_per_state(tmp_path, monkeypatch, capsys):
