@@ -98,6 +98,11 @@ _command: list[str] = []  # the running command's name (`bench memory`), as its 
 _deferred: list[bool] = []  # a stop waits for a compile, said once
 
 
+def _running() -> str:
+    """`metatrain COMMAND`, the running command as its stop lines name it."""
+    return f"metatrain {_command[0] if _command else ''}".rstrip()
+
+
 def _compiling(frame) -> bool:
     """Whether the main thread is waiting for XLA to compile a program: cut there, the compile goes on in XLA's
     threads while the interpreter shuts down, and crashes it (a segmentation fault instead of the exit code)."""
@@ -125,9 +130,9 @@ def _again(_signum, frame):
             if not _deferred:
                 _deferred.append(True)
                 name = signal.Signals(_stopping[0]).name
-                print(f"metatrain {_command[0] if _command else ''}: {name}: stopping once XLA has compiled the "
-                      f"program in progress (a compile cannot be cut); a second SIGINT or SIGTERM stops at once, "
-                      f"without cleaning up", file=sys.stderr, flush=True)
+                print(f"{_running()}: {name}: stopping once XLA has compiled the program in progress (a compile "
+                      "cannot be cut); a second SIGINT or SIGTERM stops at once, without cleaning up", file=sys.stderr,
+                      flush=True)
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             return
         raise Stopped(_stopping[0])
@@ -140,8 +145,8 @@ def _exit_now(signum: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     with contextlib.suppress(Exception):
-        print(f"metatrain {_command[0] if _command else ''}: stopped by {signal.Signals(signum).name} at once, "
-              "while XLA compiled; nothing was cleaned up", file=sys.stderr, flush=True)
+        print(f"{_running()}: stopped by {signal.Signals(signum).name} at once, while XLA compiled; nothing was "
+              "cleaned up", file=sys.stderr, flush=True)
     os._exit(128 + signum)
 
 
